@@ -1,0 +1,159 @@
+"""On-disk format v1: a fixed 4 KiB header followed by the raw payload, padded to 4 KiB.
+
+Layout of the header (little endian; the rest of the 4 KiB is zero):
+
+======  ====  =================================================================
+offset  size  field
+======  ====  =================================================================
+0       8     magic ``b"PYKVBLK\\0"``
+8       2     format version (1)
+10      2     header size in bytes (4096)
+12      4     flags (0 in v1)
+16      16    namespace fingerprint
+32      2     block key length (1..64)
+34      6     reserved (zero)
+40      64    block key, zero padded
+104     8     payload length in bytes (unpadded)
+112     4     tokens in the storage block
+116     4     segments (payload = segments x segment_bytes)
+120     8     segment bytes
+128     16    xxh3-128 of the payload (unpadded)
+144     8     creation time, nanoseconds since the epoch
+152     8     xxh3-64 of bytes 0..151 (header checksum)
+======  ====  =================================================================
+
+Files are raw bytes only: nothing here ever unpickles or ``torch.load``s.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from pykv.errors import ChecksumError, FormatError
+
+MAGIC = b"PYKVBLK\0"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+ALIGNMENT = 4096
+MAX_KEY_BYTES = 64
+NAMESPACE_BYTES = 16
+
+_BODY = struct.Struct("<8sHHI16sH6x64sQIIQ16sQ")
+_CHECKSUM = struct.Struct("<Q")
+_CHECKED_BYTES = _BODY.size  # 152
+assert _CHECKED_BYTES == 152
+
+
+def padded(length: int) -> int:
+    """``length`` rounded up to the 4 KiB alignment."""
+    return -(-length // ALIGNMENT) * ALIGNMENT
+
+
+def file_size(payload_length: int) -> int:
+    """Exact size of a v1 file carrying ``payload_length`` payload bytes."""
+    return HEADER_SIZE + padded(payload_length)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Shape of a payload: ``segments`` equal pieces of ``segment_bytes`` for ``tokens`` tokens."""
+
+    tokens: int
+    segments: int
+    segment_bytes: int
+
+    @property
+    def payload_length(self) -> int:
+        return self.segments * self.segment_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The parsed header of one storage block file."""
+
+    namespace: bytes
+    key: bytes
+    geometry: Geometry
+    payload_checksum: bytes
+    created_ns: int = 0
+    version: int = FORMAT_VERSION
+
+    @property
+    def payload_length(self) -> int:
+        return self.geometry.payload_length
+
+    @property
+    def file_size(self) -> int:
+        return file_size(self.payload_length)
+
+
+def payload_checksum(payload: memoryview | bytes) -> bytes:
+    """xxh3-128 digest (16 bytes) of ``payload``."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+def build_header(namespace: bytes, key: bytes, geometry: Geometry, payload: memoryview | bytes,
+                 *, created_ns: int | None = None) -> BlockHeader:
+    """Header for ``payload`` (its checksum is computed here)."""
+    if len(payload) != geometry.payload_length:
+        raise ValueError(f"payload is {len(payload)} bytes, geometry says {geometry.payload_length}")
+    return BlockHeader(namespace=namespace, key=key, geometry=geometry,
+                       payload_checksum=payload_checksum(payload),
+                       created_ns=time.time_ns() if created_ns is None else created_ns)
+
+
+def encode_header(header: BlockHeader, out: memoryview | bytearray | None = None) -> bytes | None:
+    """Serialise ``header`` into 4096 bytes; into ``out`` (zero-filled first) when given."""
+    if len(header.namespace) != NAMESPACE_BYTES:
+        raise ValueError(f"namespace fingerprint must be {NAMESPACE_BYTES} bytes")
+    if not 1 <= len(header.key) <= MAX_KEY_BYTES:
+        raise ValueError(f"block key must be 1..{MAX_KEY_BYTES} bytes, got {len(header.key)}")
+    g = header.geometry
+    body = _BODY.pack(MAGIC, header.version, HEADER_SIZE, 0, header.namespace, len(header.key),
+                      header.key, g.payload_length, g.tokens, g.segments, g.segment_bytes,
+                      header.payload_checksum, header.created_ns)
+    checksum = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    if out is None:
+        return body + checksum + bytes(HEADER_SIZE - _CHECKED_BYTES - _CHECKSUM.size)
+    view = memoryview(out).cast("B")[:HEADER_SIZE]
+    view[:] = bytes(HEADER_SIZE)
+    view[:_CHECKED_BYTES] = body
+    view[_CHECKED_BYTES:_CHECKED_BYTES + _CHECKSUM.size] = checksum
+    return None
+
+
+def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> BlockHeader:
+    """Parse and check a header; raise ``FormatError``/``ChecksumError`` naming ``path``."""
+    if len(data) < _CHECKED_BYTES + _CHECKSUM.size:
+        raise FormatError(path, f"header truncated: {len(data)} bytes")
+    head = bytes(data[:_CHECKED_BYTES + _CHECKSUM.size])
+    (magic, version, header_size, flags, namespace, key_length, key, payload_length, tokens,
+     segments, segment_bytes, checksum, created_ns) = _BODY.unpack_from(head)
+    if magic != MAGIC:
+        raise FormatError(path, "bad magic: not a pykv block file")
+    (stored_checksum,) = _CHECKSUM.unpack_from(head, _CHECKED_BYTES)
+    if stored_checksum != xxhash.xxh3_64_intdigest(head[:_CHECKED_BYTES]):
+        raise ChecksumError(path, "header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise FormatError(path, f"unsupported format version {version} (this pykv reads {FORMAT_VERSION})")
+    if header_size != HEADER_SIZE or flags != 0:
+        raise FormatError(path, f"unsupported header size {header_size} or flags {flags:#x}")
+    if not 1 <= key_length <= MAX_KEY_BYTES or any(key[key_length:]):
+        raise FormatError(path, f"bad block key length {key_length}")
+    if payload_length != segments * segment_bytes:
+        raise FormatError(path, f"payload length {payload_length} != {segments} x {segment_bytes}")
+    return BlockHeader(namespace=namespace, key=key[:key_length],
+                       geometry=Geometry(tokens, segments, segment_bytes),
+                       payload_checksum=checksum, created_ns=created_ns, version=version)
+
+
+def verify_payload(header: BlockHeader, payload: memoryview | bytes, *, path: object = "<buffer>") -> None:
+    """Raise ``ChecksumError`` unless ``payload`` matches the header's xxh3-128."""
+    if len(payload) < header.payload_length:
+        raise FormatError(path, f"payload truncated: {len(payload)} of {header.payload_length} bytes")
+    if payload_checksum(memoryview(payload)[:header.payload_length]) != header.payload_checksum:
+        raise ChecksumError(path, "payload checksum mismatch")

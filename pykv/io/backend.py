@@ -1,0 +1,92 @@
+"""The I/O backend contract: asynchronous file operations addressed by raw pointers.
+
+A backend is owned by one thread (the reactor). ``submit`` queues operations,
+``wait`` returns completions. Only ``wake`` may be called from other threads: it
+makes a blocked ``wait`` return (possibly with no completions).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class OpKind(enum.Enum):
+    """The file operations a backend performs."""
+
+    OPEN = "open"
+    READ = "read"
+    WRITE = "write"
+    FSYNC = "fsync"
+    CLOSE = "close"
+
+
+@dataclass(slots=True)
+class IoRequest:
+    """One operation. ``token`` comes back unchanged in the completion.
+
+    OPEN uses ``path``, ``flags``, ``mode``; READ/WRITE use ``fd``, ``address``
+    (a raw pointer into memory that outlives the operation), ``length`` and
+    ``offset``; FSYNC and CLOSE use ``fd``.
+    """
+
+    op: OpKind
+    token: object
+    fd: int = -1
+    path: bytes = b""
+    flags: int = 0
+    mode: int = 0
+    address: int = 0
+    length: int = 0
+    offset: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class IoCompletion:
+    """Result of one request: ``result`` >= 0 is bytes moved (or the new fd for OPEN);
+    a negative value is ``-errno``. Backends resubmit EINTR/EAGAIN themselves;
+    short reads/writes are reported as they are (the caller continues them)."""
+
+    token: object
+    result: int
+
+
+class IoBackend(abc.ABC):
+    """Asynchronous file I/O with a bounded number of operations in flight."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def submit(self, requests: Sequence[IoRequest]) -> None:
+        """Start ``requests``. The caller never has more than ``depth`` in flight."""
+
+    @abc.abstractmethod
+    def wait(self, min_completions: int = 1, timeout: float | None = None) -> list[IoCompletion]:
+        """Return completed requests: block until at least ``min_completions`` are done,
+        ``timeout`` seconds pass, or ``wake`` is called. May return an empty list."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Thread-safe: make a pending or the next ``wait`` return promptly."""
+
+    @property
+    @abc.abstractmethod
+    def depth(self) -> int:
+        """Maximum operations in flight."""
+
+    @property
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Operations submitted and not yet returned by ``wait``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the backend's resources; in-flight operations are waited for."""
+
+    def __enter__(self) -> "IoBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

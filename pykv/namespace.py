@@ -1,0 +1,68 @@
+"""Namespaces: the fingerprint of everything that makes KV bytes incompatible.
+
+Two engines share cache files only when every field below is equal: model,
+dtype, KV layout, tokens per storage block, TP size and rank, PP rank and the
+on-disk format version. The fingerprint is the first 16 bytes of xxh3-128 over
+the canonical JSON of those fields; its hex form names the namespace directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import xxhash
+
+from pykv.errors import InputError
+from pykv.format import FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What a block's bytes depend on. ``extra`` holds further deciding facts (sorted pairs)."""
+
+    model: str
+    dtype: str
+    kv_layout: str
+    tokens_per_block: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    format_version: int = FORMAT_VERSION
+    extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block <= 0:
+            raise InputError(f"tokens_per_block: must be positive, got {self.tokens_per_block}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InputError(f"tp_rank: {self.tp_rank} is outside tp_size {self.tp_size}")
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in self.extra)))
+
+    def describe(self) -> dict[str, Any]:
+        """The fields as a JSON-ready mapping (what ``namespace.json`` holds)."""
+        data = asdict(self)
+        data["extra"] = dict(self.extra)
+        return data
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16 bytes identifying this namespace."""
+        canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_digest(canonical.encode())
+
+    @property
+    def id(self) -> str:
+        """Hex fingerprint: the namespace's directory name."""
+        return self.fingerprint.hex()
+
+    @classmethod
+    def from_description(cls, data: Mapping[str, Any]) -> "Namespace":
+        """Inverse of ``describe`` (used to read ``namespace.json``)."""
+        fields = dict(data)
+        fields.pop("id", None)
+        fields["extra"] = tuple(dict(fields.get("extra") or {}).items())
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise InputError(f"namespace description: {exc}") from exc

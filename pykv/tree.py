@@ -1,0 +1,211 @@
+"""The hash-addressed file tree: paths, the tree marker, atomic publication, access stamps.
+
+Layout::
+
+    <root>/pykv-tree.json                   marks a pykv tree
+    <root>/.pykv/                           catalog, quarantine, gc state (never on the hot path)
+    <root>/<namespace>/namespace.json       the namespace, for people
+    <root>/<namespace>/<aa>/<bb>/<key>.kv   one storage block (``aa``/``bb``: first hex digits of key)
+
+Only hex strings are ever joined into paths. A block is published by hard-linking
+a fully written temp file (same directory) to its final name: the first writer
+wins, later writers get EEXIST and drop their copy, so readers never see a
+partial file under a final name. A lookup is an existence check of the final name.
+
+Access recency for gc is stamped explicitly: ``touch`` sets the file's atime to
+now (keeping mtime, the publication time), which works whatever ``relatime`` or
+``noatime`` the mount uses.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from pykv.errors import NotATreeError
+from pykv.format import FORMAT_VERSION
+from pykv.namespace import Namespace
+
+MARKER_NAME = "pykv-tree.json"
+STATE_DIR = ".pykv"
+NAMESPACE_FILE = "namespace.json"
+BLOCK_SUFFIX = ".kv"
+TEMP_INFIX = ".tmp."
+_HEX = re.compile(r"^[0-9a-f]+$")
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def is_hex(name: str) -> bool:
+    """True for a non-empty lowercase hex string (the only names joined into paths)."""
+    return bool(_HEX.match(name))
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a temp file left by ``temp_path`` (``<key>.kv.tmp.<host>.<pid>.<rand>``)."""
+    return TEMP_INFIX in name and name.split(TEMP_INFIX, 1)[0].endswith(BLOCK_SUFFIX)
+
+
+@dataclass(frozen=True)
+class TreeOptions:
+    """How files are created: modes (private to the user by default) and durability."""
+
+    file_mode: int = 0o600
+    dir_mode: int = 0o700
+    fsync: bool = False
+
+
+class KVTree:
+    """A pykv tree rooted at ``root``. Use ``open`` (must exist) or ``create``."""
+
+    def __init__(self, root: Path | str, options: TreeOptions | None = None) -> None:
+        self.root = Path(root)
+        self.options = options or TreeOptions()
+
+    # -- marker ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: Path | str, options: TreeOptions | None = None) -> "KVTree":
+        """Open an existing tree; raise ``NotATreeError`` naming what is wrong."""
+        root = Path(root)
+        if not root.is_dir():
+            raise NotATreeError(f"{root}: no such directory")
+        marker = root / MARKER_NAME
+        try:
+            data = json.loads(marker.read_text())
+        except FileNotFoundError:
+            raise NotATreeError(f"{root}: not a pykv tree (no {MARKER_NAME})") from None
+        except (OSError, ValueError) as exc:
+            raise NotATreeError(f"{marker}: unreadable tree marker ({exc})") from None
+        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+            version = data.get("format_version") if isinstance(data, dict) else None
+            raise NotATreeError(f"{marker}: field format_version is {version!r}, this pykv needs {FORMAT_VERSION}")
+        return cls(root, options)
+
+    @classmethod
+    def create(cls, root: Path | str, options: TreeOptions | None = None) -> "KVTree":
+        """Open ``root`` as a tree, creating the directory and marker if absent."""
+        tree = cls(root, options)
+        tree.root.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
+        marker = tree.root / MARKER_NAME
+        if not marker.exists():
+            from pykv import __version__
+            content = json.dumps({"format_version": FORMAT_VERSION, "created_by": f"pykv {__version__}",
+                                  "created_on": _HOST, "created_at": time.time()}, indent=2).encode()
+            temp = tree.root / f"{MARKER_NAME}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+            _write_small(temp, content, tree.options.file_mode)
+            tree.publish(temp, marker)
+        return cls.open(root, options)
+
+    @property
+    def state_dir(self) -> Path:
+        """``<root>/.pykv``: catalog, quarantine and gc state."""
+        return self.root / STATE_DIR
+
+    # -- layout ---------------------------------------------------------------------------
+    def namespace_dir(self, namespace_id: str) -> Path:
+        _require_hex(namespace_id, "namespace id")
+        return self.root / namespace_id
+
+    def block_path(self, namespace_id: str, key: bytes) -> Path:
+        """The one place that turns a (namespace, key) into a path."""
+        name = key.hex()
+        return self.namespace_dir(namespace_id) / name[:2] / name[2:4].ljust(2, "0") / f"{name}{BLOCK_SUFFIX}"
+
+    def temp_path(self, final: Path) -> Path:
+        """A unique temp name beside ``final`` (host, pid, random)."""
+        return final.with_name(f"{final.name}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}")
+
+    def ensure_namespace(self, namespace: Namespace) -> Path:
+        """Create the namespace directory and its ``namespace.json`` if missing."""
+        directory = self.namespace_dir(namespace.id)
+        directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
+        description = directory / NAMESPACE_FILE
+        if not description.exists():
+            temp = directory / f"{NAMESPACE_FILE}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+            data = {"id": namespace.id, **namespace.describe()}
+            _write_small(temp, json.dumps(data, indent=2).encode(), self.options.file_mode)
+            self.publish(temp, description)
+        return directory
+
+    def ensure_parent(self, path: Path) -> None:
+        """Create the shard directories above a block path (mode from options)."""
+        parent = path.parent
+        if not parent.is_dir():
+            parent.parent.mkdir(mode=self.options.dir_mode, exist_ok=True)
+            parent.mkdir(mode=self.options.dir_mode, exist_ok=True)
+
+    # -- lookup, publication, access --------------------------------------------------------
+    def contains(self, namespace_id: str, key: bytes) -> bool:
+        """Existence check of the final name (a symlink is not a block)."""
+        try:
+            return os.lstat(self.block_path(namespace_id, key)).st_mode & 0o170000 == 0o100000
+        except OSError:
+            return False
+
+    def publish(self, temp: Path, final: Path) -> bool:
+        """Link ``temp`` to ``final`` and unlink ``temp``. False when another writer won."""
+        try:
+            os.link(temp, final)
+            won = True
+        except FileExistsError:
+            won = False
+        finally:
+            _unlink_quietly(temp)
+        if won and self.options.fsync:
+            _fsync_directory(final.parent)
+        return won
+
+    def touch(self, path: Path) -> bool:
+        """Stamp ``path``'s atime with now (mtime kept). False if the file is gone."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def namespaces(self) -> Iterator[Path]:
+        """Namespace directories (hex names only)."""
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
+                    yield Path(entry.path)
+
+
+def _require_hex(value: str, what: str) -> None:
+    if not is_hex(value):
+        raise ValueError(f"{what} must be lowercase hex, got {value!r}")
+
+
+def _write_small(path: Path, content: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    try:
+        os.write(fd, content)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on directories
+        if exc.errno not in (errno.EINVAL, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
