@@ -85,7 +85,9 @@ def write_block(tree: KVTree, namespace_id: str, key: bytes, geometry: Geometry,
     data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
     try:
-        os.write(fd, data)
+        remaining = memoryview(data)
+        while remaining:  # os.write may write less than asked (signal, nearly full disk)
+            remaining = remaining[os.write(fd, remaining):]
         if tree.options.fsync:
             os.fsync(fd)
     except BaseException:

@@ -39,7 +39,7 @@ STATE_DIR = ".pykv"
 NAMESPACE_FILE = "namespace.json"
 BLOCK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp."
-_HEX = re.compile(r"^[0-9a-f]+$")
+_HEX = re.compile(r"^[0-9a-f]+\Z")
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
@@ -187,7 +187,9 @@ def _require_hex(value: str, what: str) -> None:
 def _write_small(path: Path, content: bytes, mode: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
-        os.write(fd, content)
+        remaining = memoryview(content)
+        while remaining:
+            remaining = remaining[os.write(fd, remaining):]
         os.fsync(fd)
     finally:
         os.close(fd)

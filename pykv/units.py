@@ -43,7 +43,7 @@ def parse_int_list(text: str, *, field: str = "list", minimum: int = 1) -> list[
     values: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) < minimum:
+        if not part.isdecimal() or int(part) < minimum:
             raise InputError(f"{field}: {part!r} in {text!r} is not an integer >= {minimum}")
         values.append(int(part))
     if not values:

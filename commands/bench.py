@@ -1,0 +1,64 @@
+"""``pykv bench``: O_DIRECT throughput of the io_uring and thread-pool engines (``pykv.bench``)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pykv.bench import fio_available, run_bench
+from pykv.commands.output import JsonFlag, emit, table, warn
+from pykv.errors import InputError
+from pykv.format import ALIGNMENT
+from pykv.io.probe import direct_io_supported
+from pykv.units import format_size, parse_int_list, parse_size, require_multiple
+
+
+def bench_command(
+    path: Annotated[Path | None, typer.Option(
+        "--path", metavar="DIR", help="Directory on the medium to measure (default: a temp directory).")] = None,
+    depth: Annotated[str, typer.Option("--depth", metavar="LIST", help="I/O depths, e.g. 1,4,16,64.")] = "1,4,16,64",
+    block_size: Annotated[str, typer.Option(
+        "--block-size", metavar="SIZE", help="Request size; a multiple of 4 KiB.")] = "28M",
+    size: Annotated[str, typer.Option("--size", metavar="SIZE", help="Bytes written and read per pass.")] = "4G",
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Passes per engine and depth; the median is shown.")] = 1,
+    files: Annotated[bool, typer.Option(
+        "--files/--no-files", help="Also measure the reactor storing and loading real block files.")] = True,
+    fio: Annotated[bool, typer.Option("--fio/--no-fio", help="Run fio side by side when it is installed.")] = True,
+    as_json: JsonFlag = False,
+) -> None:
+    """Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed)."""
+    depths = parse_int_list(depth, field="--depth")
+    block = require_multiple(parse_size(block_size, field="--block-size"), ALIGNMENT, field="--block-size")
+    total = parse_size(size, field="--size")
+    if total < block:
+        raise InputError(f"--size: {format_size(total)} is smaller than --block-size {format_size(block)}")
+    total -= total % block
+    with tempfile.TemporaryDirectory(prefix="pykv-bench-", dir=path) as directory:
+        supported, reason = direct_io_supported(directory)
+        if not supported:
+            raise InputError(f"--path: {path or directory} does not support O_DIRECT ({reason})")
+        if fio and not fio_available():
+            warn("fio is not installed; measuring pykv only")
+        results = run_bench(Path(directory), depths=depths, block_size=block, size=total, repeat=repeat,
+                            with_fio=fio, with_files=files)
+    data = {"path": str(path or tempfile.gettempdir()), "block_size": block, "size": total, "repeat": repeat,
+            "results": [r.as_dict() for r in results]}
+    emit(data, as_json=as_json, render=_render)
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    rows = []
+    results = data["results"]
+    for r in results:
+        fio = next((f for f in results if f["engine"].startswith("fio") and f["op"] == r["op"]
+                    and f["depth"] == r["depth"]), None)
+        ratio = f"{r['gb_per_s'] / fio['gb_per_s']:.0%}" if fio and fio["gb_per_s"] else "-"
+        rows.append([r["op"], r["depth"], r["engine"], f"{r['gb_per_s']:.3f}", ratio])
+    rows.sort(key=lambda row: (row[0], row[1]))
+    out.print(table(f"O_DIRECT throughput, {format_size(data['block_size'])} requests, "
+                    f"{format_size(data['size'])} per pass, {data['path']}",
+                    ["op", "depth", "engine", "GB/s", "of fio"], rows, right={"depth", "GB/s", "of fio"}))

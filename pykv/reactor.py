@@ -1,0 +1,456 @@
+"""The reactor: one thread that owns the I/O backend and carries out the policy's actions.
+
+Clients (the connector worker, ``pykv bench``, ``pykv warm``) submit jobs of
+storage blocks from any thread. The reactor opens files ahead, reads each block
+into a staging slot, checks its header (and payload checksum when asked) and
+hands every block that became ready in one iteration to the ``LoadSink`` as one
+batch. Stores run the other way: the ``StoreSource`` fills a slot, the reactor
+writes header and payload to a temp file with O_DIRECT and publishes it.
+The decisions live in ``ReactorPolicy``; this module is the mechanics.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+from pykv.errors import FormatError
+from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, verify_payload
+from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
+from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
+from pykv.staging import StagingPool
+from pykv.tree import KVTree
+
+log = logging.getLogger(__name__)
+
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class LoadBlock:
+    """One block to load: its final path and what its header must say."""
+
+    path: Path
+    namespace: bytes
+    key: bytes
+    geometry: Geometry | None = None  # expected shape; None accepts what the header says
+
+
+@dataclass(frozen=True)
+class StoreBlock:
+    """One block to store: where it goes and the shape of the payload the source will fill."""
+
+    path: Path
+    namespace: bytes
+    key: bytes
+    geometry: Geometry
+
+
+@dataclass(frozen=True)
+class ReadyBlock:
+    """A verified block sitting in a slot; call ``Reactor.consumed(transfer)`` when done."""
+
+    transfer: int
+    job: object
+    index: int
+    slot: int
+    header: BlockHeader
+
+
+@dataclass(frozen=True)
+class FillRequest:
+    """Put ``length`` payload bytes of block ``index`` of ``job`` into ``slot`` after the header,
+    then call ``Reactor.filled(transfer, ok)``."""
+
+    transfer: int
+    job: object
+    index: int
+    slot: int
+    length: int
+
+
+class LoadSink(Protocol):
+    def deliver(self, blocks: list[ReadyBlock]) -> None: ...
+
+
+class StoreSource(Protocol):
+    def fill(self, requests: list[FillRequest]) -> None: ...
+
+
+@dataclass
+class JobResult:
+    """Outcome of a job: which block indices failed and why, bytes moved, wall time."""
+
+    job: object
+    kind: Kind
+    blocks: int
+    failed: dict[int, str] = field(default_factory=dict)
+    published: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class _Job:
+    result: JobResult
+    remaining: int
+    started: float
+
+
+@dataclass
+class _Transfer:
+    job: _Job
+    index: int
+    block: LoadBlock | StoreBlock
+    fd: int = -1
+    slot: int = -1
+    done: int = 0
+    expected: int = 0
+    temp: Path | None = None
+    header: BlockHeader | None = None
+
+
+@dataclass(frozen=True)
+class ReactorConfig:
+    io_depth: int = 16
+    open_ahead: int = 32
+    verify: str = "full"  # "full": header and payload checksum; "header": header only
+    direct: bool = True
+
+
+class Reactor:
+    """Runs the I/O pipeline on its own thread; all public methods are thread-safe."""
+
+    def __init__(self, backend: IoBackend, pool: StagingPool, tree: KVTree, *, config: ReactorConfig | None = None,
+                 sink: LoadSink | None = None, source: StoreSource | None = None,
+                 on_job_done: Callable[[JobResult], None] | None = None) -> None:
+        self.config = config or ReactorConfig()
+        if self.config.verify not in ("full", "header"):
+            raise ValueError(f"verify must be 'full' or 'header', got {self.config.verify!r}")
+        self.backend, self.pool, self.tree = backend, pool, tree
+        self.sink, self.source, self.on_job_done = sink, source, on_job_done
+        self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead)
+        self._direct = os.O_DIRECT if self.config.direct else 0
+        self._transfers: dict[int, _Transfer] = {}
+        self._next_id = 0
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._finished: list[JobResult] = []
+        self._done = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pykv-reactor", daemon=True)
+        self._thread.start()
+
+    # -- client API (any thread) -----------------------------------------------------------
+    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, preload: bool = False) -> None:
+        kind = Kind.PRELOAD if preload else Kind.LOAD
+        self._post(lambda: self._add_job(job, kind, blocks))
+
+    def submit_store(self, job: object, blocks: Sequence[StoreBlock]) -> None:
+        self._post(lambda: self._add_job(job, Kind.STORE, blocks))
+
+    def consumed(self, transfer: int) -> None:
+        """The consumer is done with a delivered slot."""
+        self._post(lambda: self.policy.consumed(transfer))
+
+    def filled(self, transfer: int, ok: bool = True) -> None:
+        """The source finished (or failed) filling a store's slot."""
+        self._post(lambda: self._on_filled(transfer, ok))
+
+    def take_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call."""
+        with self._done:
+            results, self._finished = self._finished, []
+        return results
+
+    def wait_for(self, job: object, timeout: float | None = None) -> JobResult:
+        """Block until ``job`` finishes and return (and remove) its result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done:
+            while True:
+                for i, result in enumerate(self._finished):
+                    if result.job == job:
+                        return self._finished.pop(i)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"job {job!r} did not finish in {timeout} s")
+                self._done.wait(remaining)
+
+    def close(self) -> None:
+        """Finish in-flight work, stop the thread and close the backend."""
+        self._post(self._stop)
+        self._thread.join()
+        self.backend.close()
+
+    # -- reactor thread ------------------------------------------------------------------------
+    def _post(self, command: Callable[[], None]) -> None:
+        self._inbox.append(command)
+        self.backend.wake()
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _run(self) -> None:
+        while True:
+            while self._inbox:
+                self._inbox.popleft()()
+            self._perform(self.policy.step())
+            if self._stopping and self.backend.in_flight == 0 and not self._inbox:
+                return
+            if self._inbox:
+                continue
+            for completion in self.backend.wait(min_completions=1, timeout=None if not self._stopping else 0.05):
+                self._complete(completion)
+
+    def _add_job(self, job: object, kind: Kind, blocks: Sequence[LoadBlock | StoreBlock]) -> None:
+        state = _Job(JobResult(job, kind, len(blocks)), len(blocks), time.monotonic())
+        if not blocks:
+            self._finish_job(state)
+        for index, block in enumerate(blocks):
+            self._next_id += 1
+            self._transfers[self._next_id] = _Transfer(state, index, block)
+            self.policy.add(self._next_id, kind)
+
+    def _perform(self, actions: list) -> None:
+        requests: list[IoRequest] = []
+        for action in actions:
+            if isinstance(action, Open):
+                t = self._transfers[action.transfer]
+                requests.append(IoRequest(OpKind.OPEN, ("open", action.transfer), path=os.fsencode(t.block.path),
+                                          flags=READ_FLAGS | self._direct))
+            elif isinstance(action, Read):
+                t = self._transfers[action.transfer]
+                t.slot = action.slot
+                requests.append(self._read_request(action.transfer, t))
+            elif isinstance(action, Fill):
+                self._request_fill(action)
+            elif isinstance(action, Write):
+                request = self._start_write(action.transfer)
+                if request is not None:
+                    requests.append(request)
+            elif isinstance(action, Deliver):
+                self._deliver(action)
+            elif isinstance(action, Finish):
+                self._on_finish(action)
+        if requests:
+            self.backend.submit(requests)
+
+    def _read_request(self, tid: int, t: _Transfer) -> IoRequest:
+        length = self.pool.slot_bytes - t.done
+        return IoRequest(OpKind.READ, ("read", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
+                         length=length, offset=t.done)
+
+    def _write_request(self, tid: int, t: _Transfer) -> IoRequest:
+        return IoRequest(OpKind.WRITE, ("write", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
+                         length=t.expected - t.done, offset=t.done)
+
+    def _complete(self, completion: IoCompletion) -> None:
+        op, tid = completion.token
+        result = completion.result
+        if op == "close":
+            if result < 0:
+                log.warning("close failed: %s", os.strerror(-result))
+            return
+        t = self._transfers[tid]
+        if op == "open":
+            self._on_opened(tid, t, result)
+        elif op == "read":
+            self._on_read(tid, t, result)
+        elif op == "wopen":
+            self._on_write_opened(tid, t, result)
+        elif op == "write":
+            self._on_wrote(tid, t, result)
+        elif op == "fsync":
+            self._on_synced(tid, t, result)
+
+    # -- loads -----------------------------------------------------------------------------------
+    def _on_opened(self, tid: int, t: _Transfer, result: int) -> None:
+        if result < 0:
+            self._fail(t, f"open: {os.strerror(-result)}")
+            self.policy.opened(tid, ok=False)
+            return
+        t.fd = result
+        self.policy.opened(tid, ok=True)
+
+    def _on_read(self, tid: int, t: _Transfer, result: int) -> None:
+        error = None
+        if result < 0:
+            error = f"read: {os.strerror(-result)}"
+        else:
+            t.done += result
+            try:
+                if t.header is None and t.done >= HEADER_SIZE:
+                    t.header = self._check_header(t)
+                    t.expected = t.header.file_size
+                if result > 0 and (t.header is None or t.done < t.expected):
+                    self.backend.submit([self._read_request(tid, t)])  # short read: continue
+                    return
+                if t.header is None or t.done < t.expected:
+                    raise FormatError(t.block.path, f"truncated: {t.done} bytes")
+                if self.config.verify == "full":
+                    verify_payload(t.header, self.pool.payload_view(t.slot, t.header.payload_length),
+                                   path=t.block.path)
+            except FormatError as exc:
+                error = exc.reason
+        self._close(t)
+        if error:
+            self._fail(t, error)
+        else:
+            t.job.result.bytes += t.expected
+        self.policy.read_done(tid, ok=error is None)
+
+    def _check_header(self, t: _Transfer) -> BlockHeader:
+        block = t.block
+        header = decode_header(self.pool.view(t.slot)[:HEADER_SIZE], path=block.path)
+        if header.namespace != block.namespace:
+            raise FormatError(block.path, "header names another namespace")
+        if header.key != block.key:
+            raise FormatError(block.path, "header names another block key")
+        if block.geometry is not None and header.geometry != block.geometry:
+            raise FormatError(block.path, f"geometry {header.geometry} differs from expected {block.geometry}")
+        if header.file_size > self.pool.slot_bytes:
+            raise FormatError(block.path, f"block of {header.file_size} bytes exceeds the slot size")
+        return header
+
+    def _deliver(self, action: Deliver) -> None:
+        batch = []
+        for tid, slot in action.blocks:
+            t = self._transfers[tid]
+            assert t.header is not None
+            batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header))
+        if self.sink is None:
+            for block in batch:
+                self.policy.consumed(block.transfer)
+        else:
+            self.sink.deliver(batch)
+
+    # -- stores ----------------------------------------------------------------------------------
+    def _request_fill(self, action: Fill) -> None:
+        t = self._transfers[action.transfer]
+        t.slot = action.slot
+        request = FillRequest(action.transfer, t.job.result.job, t.index, action.slot,
+                              t.block.geometry.payload_length)
+        if self.source is None:
+            self._on_filled(action.transfer, False)
+        else:
+            self.source.fill([request])
+
+    def _on_filled(self, tid: int, ok: bool) -> None:
+        t = self._transfers[tid]
+        if not ok:
+            self._fail(t, "source could not fill the slot")
+        self.policy.filled(tid, ok)
+
+    def _start_write(self, tid: int) -> IoRequest | None:
+        t = self._transfers[tid]
+        block = t.block
+        assert isinstance(block, StoreBlock)
+        payload = self.pool.payload_view(t.slot, block.geometry.payload_length)
+        t.header = build_header(block.namespace, block.key, block.geometry, payload)
+        encode_header(t.header, self.pool.view(t.slot))
+        t.expected = t.header.file_size
+        self._zero_padding(t)
+        try:
+            self.tree.ensure_parent(block.path)
+        except OSError as exc:
+            self._fail(t, f"mkdir: {exc.strerror}")
+            self.policy.written(tid, ok=False)
+            return None
+        t.temp = self.tree.temp_path(block.path)
+        return IoRequest(OpKind.OPEN, ("wopen", tid), path=os.fsencode(t.temp), flags=WRITE_FLAGS | self._direct,
+                         mode=self.tree.options.file_mode)
+
+    def _zero_padding(self, t: _Transfer) -> None:
+        start = HEADER_SIZE + t.header.payload_length
+        view = self.pool.view(t.slot)
+        view[start:t.expected] = bytes(t.expected - start)
+
+    def _on_write_opened(self, tid: int, t: _Transfer, result: int) -> None:
+        if result < 0:
+            t.temp = None  # O_EXCL: nothing of ours was created
+            self._fail(t, f"open for write: {os.strerror(-result)}")
+            self.policy.written(tid, ok=False)
+            return
+        t.fd = result
+        self.backend.submit([self._write_request(tid, t)])
+
+    def _on_wrote(self, tid: int, t: _Transfer, result: int) -> None:
+        if result <= 0:
+            self._abandon_write(tid, t, f"write: {os.strerror(-result) if result else 'no progress'}")
+            return
+        t.done += result
+        if t.done < t.expected:
+            self.backend.submit([self._write_request(tid, t)])
+        elif self.tree.options.fsync:
+            self.backend.submit([IoRequest(OpKind.FSYNC, ("fsync", tid), fd=t.fd)])
+        else:
+            self._publish(tid, t)
+
+    def _on_synced(self, tid: int, t: _Transfer, result: int) -> None:
+        if result < 0:
+            self._abandon_write(tid, t, f"fsync: {os.strerror(-result)}")
+        else:
+            self._publish(tid, t)
+
+    def _publish(self, tid: int, t: _Transfer) -> None:
+        self._close(t)
+        assert t.temp is not None
+        try:
+            if self.tree.publish(t.temp, t.block.path):
+                t.job.result.published += 1
+            t.job.result.bytes += t.expected
+        except OSError as exc:
+            self._fail(t, f"publish: {exc.strerror}")
+            self.policy.written(tid, ok=False)
+            return
+        self.policy.written(tid, ok=True)
+
+    def _abandon_write(self, tid: int, t: _Transfer, reason: str) -> None:
+        self._close(t)
+        if t.temp is not None:
+            try:
+                os.unlink(t.temp)
+            except OSError:
+                pass
+        self._fail(t, reason)
+        self.policy.written(tid, ok=False)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _close(self, t: _Transfer) -> None:
+        if t.fd >= 0:
+            self.backend.submit([IoRequest(OpKind.CLOSE, ("close", None), fd=t.fd)])
+            t.fd = -1
+
+    def _fail(self, t: _Transfer, reason: str) -> None:
+        t.job.result.failed[t.index] = reason
+        if reason.startswith(("open: No such file", "open for write: No space", "write: No space")):
+            log.debug("%s: %s", t.block.path, reason)
+        else:
+            log.warning("%s: %s", t.block.path, reason)
+
+    def _on_finish(self, action: Finish) -> None:
+        t = self._transfers.pop(action.transfer)
+        if t.fd >= 0:
+            self._close(t)
+        t.job.remaining -= 1
+        if t.job.remaining == 0:
+            self._finish_job(t.job)
+
+    def _finish_job(self, job: _Job) -> None:
+        job.result.seconds = time.monotonic() - job.started
+        if self.on_job_done is not None:
+            self.on_job_done(job.result)
+        with self._done:
+            self._finished.append(job.result)
+            self._done.notify_all()

@@ -1,0 +1,177 @@
+"""The reactor policy as a pure state machine: bounds, priorities, slot ownership."""
+
+from __future__ import annotations
+
+import pytest
+
+from pykv.policy import Deliver, Fill, Finish, Kind, Open, ReactorPolicy, Read, Stage, Write
+from pykv.staging import SlotLedger
+
+
+def make(slots: int = 4, depth: int = 2, ahead: int = 3) -> ReactorPolicy:
+    return ReactorPolicy(SlotLedger(slots), io_depth=depth, open_ahead=ahead)
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_opens_are_bounded_by_look_ahead():
+    policy = make(ahead=3)
+    for i in range(10):
+        policy.add(i, Kind.LOAD)
+    assert [a.transfer for a in of(policy.step(), Open)] == [0, 1, 2]
+    assert of(policy.step(), Open) == []
+
+
+def test_reads_bounded_by_depth_and_each_read_owns_a_distinct_slot():
+    policy = make(slots=8, depth=2, ahead=4)
+    for i in range(4):
+        policy.add(i, Kind.LOAD)
+    policy.step()
+    for i in range(4):
+        policy.opened(i, ok=True)
+    reads = of(policy.step(), Read)
+    assert [r.transfer for r in reads] == [0, 1]
+    assert len({r.slot for r in reads}) == 2
+    assert policy.ledger.free == 6
+
+
+def test_request_larger_than_pool_proceeds_slot_by_slot():
+    policy = make(slots=2, depth=4, ahead=4)
+    total = 9
+    for i in range(total):
+        policy.add(i, Kind.LOAD)
+    delivered: list[int] = []
+    held_max = 0
+    for _ in range(100):
+        actions = policy.step()
+        for a in of(actions, Open):
+            policy.opened(a.transfer, ok=True)
+        for a in of(actions, Read):
+            policy.read_done(a.transfer, ok=True)
+        for a in of(actions, Deliver):
+            for tid, _slot in a.blocks:
+                delivered.append(tid)
+                policy.consumed(tid)
+        held_max = max(held_max, 2 - policy.ledger.free)
+        if policy.active == 0:
+            break
+    assert sorted(delivered) == list(range(total))
+    assert held_max <= 2
+    assert policy.ledger.free == 2
+
+
+def test_ready_loads_of_one_step_are_delivered_as_one_batch():
+    policy = make(slots=4, depth=4, ahead=4)
+    for i in range(3):
+        policy.add(i, Kind.LOAD)
+    policy.step()
+    for i in range(3):
+        policy.opened(i, ok=True)
+    for r in of(policy.step(), Read):
+        policy.read_done(r.transfer, ok=True)
+    delivers = of(policy.step(), Deliver)
+    assert len(delivers) == 1
+    assert [tid for tid, _ in delivers[0].blocks] == [0, 1, 2]
+
+
+def test_opened_demand_loads_get_slots_before_new_stores():
+    policy = make(slots=1, depth=2, ahead=2)
+    policy.add(0, Kind.LOAD)
+    policy.step()
+    policy.opened(0, ok=True)
+    policy.add(1, Kind.STORE)
+    actions = policy.step()
+    assert of(actions, Read) and not of(actions, Fill)
+    assert policy.stage(1) is Stage.QUEUED
+
+
+def test_store_pipeline_fill_then_write_then_finish_releases_slot():
+    policy = make(slots=2, depth=1)
+    policy.add(7, Kind.STORE)
+    fill = of(policy.step(), Fill)[0]
+    assert policy.ledger.free == 1
+    policy.filled(7, ok=True)
+    write = of(policy.step(), Write)[0]
+    assert write.slot == fill.slot
+    policy.written(7, ok=True)
+    assert of(policy.step(), Finish) == [Finish(7, True)]
+    assert policy.ledger.free == 2
+
+
+def test_writes_respect_io_depth():
+    policy = make(slots=4, depth=1)
+    for i in range(3):
+        policy.add(i, Kind.STORE)
+    for a in of(policy.step(), Fill):
+        policy.filled(a.transfer, ok=True)
+    assert len(of(policy.step(), Write)) == 1
+    assert of(policy.step(), Write) == []
+
+
+@pytest.mark.parametrize("stage", ["open", "read"])
+def test_failures_release_slot_and_finish_not_ok(stage):
+    policy = make()
+    policy.add(0, Kind.LOAD)
+    policy.step()
+    if stage == "open":
+        policy.opened(0, ok=False)
+    else:
+        policy.opened(0, ok=True)
+        policy.step()
+        policy.read_done(0, ok=False)
+    assert Finish(0, False) in policy.step()
+    assert policy.ledger.free == 4
+    assert policy.active == 0
+
+
+def test_only_one_speculative_preload_at_a_time():
+    policy = make(slots=16, depth=2, ahead=8)
+    for i in range(3):
+        policy.add(i, Kind.PRELOAD)
+    assert [a.transfer for a in of(policy.step(), Open)] == [0]
+    assert of(policy.step(), Open) == []
+    policy.opened(0, ok=False)
+    assert [a.transfer for a in of(policy.step(), Open)] == [1]
+
+
+def test_preloads_never_use_the_foreground_reserve():
+    policy = make(slots=3, depth=2, ahead=4)  # reserve = 2 slots -> preload needs 3 free
+    policy.add(0, Kind.PRELOAD)
+    policy.step()
+    policy.opened(0, ok=True)
+    policy.add(1, Kind.STORE)
+    actions = policy.step()  # the store takes a slot first; 2 left == reserve
+    assert of(actions, Fill) and not of(actions, Read)
+    policy.filled(1, ok=True)
+    policy.step()
+    policy.written(1, ok=True)
+    actions = policy.step()
+    assert [a.transfer for a in of(actions, Read)] == [0]
+
+
+def test_demand_loads_open_before_preloads():
+    policy = make(ahead=1)
+    policy.add(0, Kind.PRELOAD)
+    policy.add(1, Kind.LOAD)
+    assert [a.transfer for a in of(policy.step(), Open)] == [1]
+
+
+def test_cancel_queued_and_refuse_in_flight():
+    policy = make(ahead=1)
+    policy.add(0, Kind.LOAD)
+    policy.add(1, Kind.LOAD)
+    policy.step()
+    assert policy.cancel(0) is False  # opening: must complete first
+    assert policy.cancel(1) is True
+    assert Finish(1, False) in policy.step()
+
+
+def test_events_in_the_wrong_stage_are_refused():
+    policy = make()
+    policy.add(0, Kind.LOAD)
+    with pytest.raises(ValueError, match="expected stage opening"):
+        policy.opened(0, ok=True)
+    with pytest.raises(ValueError, match="already exists"):
+        policy.add(0, Kind.LOAD)
