@@ -18,6 +18,9 @@ Rules:
   slot only while more than ``io_depth`` slots stay free (foreground keeps as
   many slots as the I/O depth).
 - All loads that became ready in one step are delivered as one batch.
+- A transfer may bring its own slot (a DRAM-tier slot outside the ledger): it then
+  takes none from the ledger and gives none back; a resident load (bytes already
+  in its slot) is ready at once.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Transfer:
     stage: Stage = Stage.QUEUED
     slot: int | None = None
     order: int = 0
+    owns_slot: bool = False  # True when the slot came from the ledger (and goes back to it)
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -126,11 +130,19 @@ class ReactorPolicy:
             raise ValueError("io_depth and open_ahead must be >= 1")
 
     # -- events ------------------------------------------------------------------------------
-    def add(self, transfer_id: int, kind: Kind) -> None:
-        """A new transfer (FIFO within its class)."""
+    def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, resident: bool = False) -> None:
+        """A new transfer (FIFO within its class).
+
+        ``slot``: a slot its caller owns (a DRAM-tier slot); the transfer uses it instead of
+        taking one from the ledger and never releases it. ``resident``: a load whose bytes
+        already sit in ``slot``; it is ready at once and does no I/O.
+        """
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id} already exists")
-        self._transfers[transfer_id] = Transfer(transfer_id, kind, order=next(self._order))
+        if resident and (slot is None or kind is Kind.STORE):
+            raise ValueError("a resident transfer is a load with a slot")
+        stage = Stage.READY if resident else Stage.QUEUED
+        self._transfers[transfer_id] = Transfer(transfer_id, kind, stage, slot, next(self._order))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)
@@ -177,11 +189,11 @@ class ReactorPolicy:
 
         # 1. ready demand reads: opened demand loads get I/O and a slot first
         for t in self._in(Stage.OPENED, Kind.LOAD):
-            if io_used >= self.io_depth or (slot := self.ledger.acquire()) is None:
+            if io_used >= self.io_depth or not self._take_slot(t):
                 break
-            t.slot, t.stage = slot, Stage.READING
+            t.stage = Stage.READING
             io_used += 1
-            actions.append(Read(t.id, slot))
+            actions.append(Read(t.id, t.slot))
         # 2. new demand work: filled stores write, queued stores get slots, queued loads open
         for t in self._in(Stage.FILLED, Kind.STORE):
             if io_used >= self.io_depth:
@@ -190,10 +202,10 @@ class ReactorPolicy:
             io_used += 1
             actions.append(Write(t.id, t.slot))
         for t in self._in(Stage.QUEUED, Kind.STORE):
-            if (slot := self.ledger.acquire()) is None:
+            if not self._take_slot(t):
                 break
-            t.slot, t.stage = slot, Stage.FILLING
-            actions.append(Fill(t.id, slot))
+            t.stage = Stage.FILLING
+            actions.append(Fill(t.id, t.slot))
         for t in self._in(Stage.QUEUED, Kind.LOAD):
             if window >= self.open_ahead:
                 break
@@ -208,12 +220,11 @@ class ReactorPolicy:
                     actions.append(Open(t.id))
                 break
         for t in self._in(Stage.OPENED, Kind.PRELOAD):
-            if io_used < self.io_depth and self.ledger.free > self.io_depth:
-                slot = self.ledger.acquire()
-                assert slot is not None
-                t.slot, t.stage = slot, Stage.READING
+            if io_used < self.io_depth and (t.slot is not None or self.ledger.free > self.io_depth):
+                self._take_slot(t)
+                t.stage = Stage.READING
                 io_used += 1
-                actions.append(Read(t.id, slot))
+                actions.append(Read(t.id, t.slot))
         # deliveries: every demand load that is ready now, in one batch
         ready = list(self._in(Stage.READY, Kind.LOAD))
         if ready:
@@ -236,6 +247,16 @@ class ReactorPolicy:
         return len(self._transfers)
 
     # -- internals ---------------------------------------------------------------------------
+    def _take_slot(self, t: Transfer) -> bool:
+        """Give ``t`` a slot from the ledger unless it brought its own; False if none is free."""
+        if t.slot is not None:
+            return True
+        slot = self.ledger.acquire()
+        if slot is None:
+            return False
+        t.slot, t.owns_slot = slot, True
+        return True
+
     def _speculating(self) -> bool:
         return any(t.kind is Kind.PRELOAD and t.stage is not Stage.QUEUED for t in self._transfers.values())
 
@@ -254,9 +275,9 @@ class ReactorPolicy:
         return t
 
     def _end(self, t: Transfer, *, ok: bool, stage: Stage | None = None) -> None:
-        if t.slot is not None:
+        if t.owns_slot:
             self.ledger.release(t.slot)
-            t.slot = None
+        t.slot, t.owns_slot = None, False
         t.stage = stage or (Stage.DONE if ok else Stage.FAILED)
         del self._transfers[t.id]
         self._pending.append(Finish(t.id, ok))

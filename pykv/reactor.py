@@ -42,6 +42,8 @@ class LoadBlock:
     namespace: bytes
     key: bytes
     geometry: Geometry | None = None  # expected shape; None accepts what the header says
+    slot: int | None = None  # a slot the caller owns (DRAM tier) to read into, instead of a pool slot
+    resident: bool = False  # the block already sits in ``slot``: deliver it without I/O
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class StoreBlock:
     namespace: bytes
     key: bytes
     geometry: Geometry
+    slot: int | None = None  # a slot the caller owns (DRAM tier) to fill and write from
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,8 @@ class Reactor:
         for index, block in enumerate(blocks):
             self._next_id += 1
             self._transfers[self._next_id] = _Transfer(state, index, block)
-            self.policy.add(self._next_id, kind)
+            resident = isinstance(block, LoadBlock) and block.resident
+            self.policy.add(self._next_id, kind, slot=block.slot, resident=resident)
 
     def _perform(self, actions: list) -> None:
         requests: list[IoRequest] = []
@@ -327,8 +331,18 @@ class Reactor:
         batch = []
         for tid, slot in action.blocks:
             t = self._transfers[tid]
-            assert t.header is not None
+            if t.header is None:  # resident (DRAM-tier) block: check what the slot holds
+                t.slot = slot
+                try:
+                    t.header = self._check_header(t)
+                except FormatError as exc:
+                    self._fail(t, exc.reason)
+                    self.policy.consumed(tid)
+                    continue
+                t.job.result.bytes += t.header.file_size
             batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header))
+        if not batch:
+            return
         if self.sink is None:
             for block in batch:
                 self.policy.consumed(block.transfer)

@@ -27,13 +27,18 @@ def slot_bytes_for(payload_length: int) -> int:
 
 
 class SlotLedger:
-    """Pure accounting of slots: a free list and reference counts. Thread-safe."""
+    """Pure accounting of slots: a free list and reference counts. Thread-safe.
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots <= 0:
-            raise ValueError("a staging pool needs at least one slot")
+    The last ``reserved`` slots are never handed out: their owner (the DRAM tier)
+    assigns them itself.
+    """
+
+    def __init__(self, num_slots: int, reserved: int = 0) -> None:
+        if num_slots - reserved <= 0 or reserved < 0:
+            raise ValueError("a staging pool needs at least one slot outside the reserved ones")
         self.num_slots = num_slots
-        self._free: collections.deque[int] = collections.deque(range(num_slots))
+        self.reserved = reserved
+        self._free: collections.deque[int] = collections.deque(range(num_slots - reserved))
         self._refs = [0] * num_slots
         self._lock = threading.Lock()
 
@@ -82,18 +87,20 @@ class SlotLedger:
 class StagingPool:
     """``num_slots`` slots of ``slot_bytes`` each in one page-aligned region.
 
+    The last ``reserved`` slots stay outside the ledger (see ``SlotLedger``).
+
     ``register`` (optional) is called once with (address, length) to page-lock
     the region for DMA (the connector passes ``cudaHostRegister`` when CUDA is
     present); ``unregister`` is called on ``close``.
     """
 
-    def __init__(self, slot_bytes: int, num_slots: int, *,
+    def __init__(self, slot_bytes: int, num_slots: int, *, reserved: int = 0,
                  register: Callable[[int, int], None] | None = None,
                  unregister: Callable[[int], None] | None = None) -> None:
         if slot_bytes <= 0 or slot_bytes % PAGE:
             raise ValueError(f"slot_bytes must be a positive multiple of {PAGE}, got {slot_bytes}")
         self.slot_bytes = slot_bytes
-        self.ledger = SlotLedger(num_slots)
+        self.ledger = SlotLedger(num_slots, reserved)
         self._memory = aligned_buffer(slot_bytes * num_slots)
         self._view = memoryview(self._memory)
         self.base_address = buffer_address(self._memory)

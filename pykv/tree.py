@@ -135,11 +135,11 @@ class KVTree:
         return directory
 
     def ensure_parent(self, path: Path) -> None:
-        """Create the shard directories above a block path (mode from options)."""
+        """Create the namespace and shard directories above a block path (mode from options)."""
         parent = path.parent
         if not parent.is_dir():
-            parent.parent.mkdir(mode=self.options.dir_mode, exist_ok=True)
-            parent.mkdir(mode=self.options.dir_mode, exist_ok=True)
+            for directory in (parent.parent.parent, parent.parent, parent):  # namespace, aa, bb
+                directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
 
     # -- lookup, publication, access --------------------------------------------------------
     def contains(self, namespace_id: str, key: bytes) -> bool:

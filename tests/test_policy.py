@@ -175,3 +175,25 @@ def test_events_in_the_wrong_stage_are_refused():
         policy.opened(0, ok=True)
     with pytest.raises(ValueError, match="already exists"):
         policy.add(0, Kind.LOAD)
+
+
+def test_a_transfer_with_its_own_slot_takes_none_from_the_ledger():
+    policy = ReactorPolicy(SlotLedger(4, reserved=2), io_depth=2, open_ahead=2)
+    policy.add(0, Kind.STORE, slot=3)
+    fill = of(policy.step(), Fill)[0]
+    assert fill.slot == 3 and policy.ledger.free == 2
+    policy.filled(0, ok=True)
+    policy.step()
+    policy.written(0, ok=True)
+    policy.step()
+    assert policy.ledger.free == 2  # nothing went back to the ledger either
+
+
+def test_resident_load_is_delivered_without_io():
+    policy = make()
+    policy.add(0, Kind.LOAD, slot=2, resident=True)
+    actions = policy.step()
+    assert not of(actions, Open) and not of(actions, Read)
+    assert of(actions, Deliver)[0].blocks == ((0, 2),)
+    with pytest.raises(ValueError):
+        policy.add(1, Kind.LOAD, resident=True)
