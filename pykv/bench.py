@@ -186,11 +186,15 @@ def drop_page_cache(path: Path) -> None:
 def run_bench(directory: Path, *, depths: list[int], block_size: int, size: int, repeat: int = 1,
               engines: tuple[str, ...] = ("io_uring", "threadpool"), with_fio: bool = True,
               with_files: bool = True) -> list[BenchResult]:
-    """Every engine at every depth, side by side on one file; the median of ``repeat`` passes."""
+    """Every engine at every depth, side by side on one file; the median of ``repeat`` passes.
+
+    The file is written once untimed first, so every write pass overwrites allocated blocks.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"pykv-bench-{os.getpid()}.dat"
     results: list[BenchResult] = []
     try:
+        bench_raw(engines[0], path, size=size, block_size=block_size, depth=depths[0])  # allocate, untimed
         for depth in depths:
             passes: dict[tuple[str, str], list[BenchResult]] = {}
             for _ in range(repeat):
