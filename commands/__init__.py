@@ -1,0 +1,1 @@
+"""The ``pykv`` admin CLI: thin shells over ``pykv.maintenance`` (see ``app.py``)."""

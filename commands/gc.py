@@ -1,0 +1,47 @@
+"""``pykv gc``: delete least-recently-accessed blocks until the tree fits (``pykv.maintenance.run_gc``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pykv.commands.output import JsonFlag, NoCatalogFlag, RootArgument, emit, size, table, warn
+from pykv.maintenance import run_gc
+from pykv.tree import KVTree
+from pykv.units import parse_duration, parse_size
+
+
+def gc_command(
+    root: RootArgument,
+    max_size: Annotated[str, typer.Option(
+        "--max-size", metavar="SIZE", show_default=False,
+        help="Size the tree must fit in, e.g. 500G (binary units).")],
+    min_age: Annotated[str, typer.Option(
+        "--min-age", metavar="DURATION", help="Never delete blocks published less than this long ago.")] = "10m",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be deleted; delete nothing.")] = False,
+    as_json: JsonFlag = False,
+    no_catalog: NoCatalogFlag = False,
+) -> None:
+    """Delete least-recently-accessed blocks until the tree fits in --max-size."""
+    limit = parse_size(max_size, field="--max-size")
+    min_age_s = parse_duration(min_age, field="--min-age")
+    result = run_gc(KVTree.open(root), limit, min_age_s=min_age_s, dry_run=dry_run, use_catalog=not no_catalog)
+    emit(result.summary(), as_json=as_json, render=_render)
+    if not result.target_reached:
+        warn(f"could not reach --max-size {size(limit)}: {size(result.remaining_bytes)} remain, "
+             f"{result.young_files} blocks ({size(result.young_bytes)}) are younger than --min-age {min_age}")
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    verb = "would free" if data["dry_run"] else "freed"
+    rows = [[ns[:12], size(freed)] for ns, freed in sorted(data["freed_by_namespace"].items())]
+    if rows:
+        out.print(table(None, ["namespace", verb], rows, right={verb}))
+    out.print(f"{verb} {data['freed_files']} files ({size(data['freed_bytes'])}); "
+              f"tree {size(data['total_bytes'])} -> {size(data['remaining_bytes'])}, "
+              f"limit {size(data['max_size'])}; {data['seconds']:.2f}s")
+    if data["vanished_files"]:
+        out.print(f"{data['vanished_files']} files ({size(data['vanished_bytes'])}) were deleted by someone else "
+                  "meanwhile")

@@ -1,0 +1,105 @@
+"""How commands print: rich tables for people, one JSON document for scripts, one line per error.
+
+Every error a user can cause (a missing root, a directory that is not a tree, a
+size that does not parse, a click usage error) ends as ``pykv: error: <message>``
+on stderr with exit status 2; nothing else is printed and nothing was changed.
+An ``OSError`` from the tree itself (permissions, I/O) is one such line with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pykv.errors import PykvError
+from pykv.units import format_size
+
+USAGE_EXIT = 2
+PROGRAM = "pykv"
+
+try:  # typer >= 0.22 vendors click; older typer raises click's own exceptions
+    from click import ClickException as _ClickException
+    _CLI_ERRORS: tuple[type[Exception], ...] = (typer.TyperException, _ClickException)
+except ImportError:  # pragma: no cover
+    _CLI_ERRORS = (typer.TyperException,)
+
+
+def console() -> Console:
+    """A console on the current stdout (tests swap it)."""
+    return Console(file=sys.stdout, soft_wrap=False)
+
+
+def emit(data: dict[str, Any], *, as_json: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
+    """Print ``data`` as one JSON document, or through ``render`` as tables."""
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    else:
+        render(console(), data)
+
+
+def warn(message: str) -> None:
+    """One line on stderr that does not change the exit status."""
+    typer.echo(f"{PROGRAM}: warning: {message}", err=True)
+
+
+def error_line(message: str) -> str:
+    return f"{PROGRAM}: error: {' '.join(str(message).split())}"
+
+
+def run_guarded(main: Callable[..., Any], standalone_mode: bool, **kwargs: Any) -> Any:
+    """Run a click ``main`` non-standalone, turning every user error into one line.
+
+    Used by the app's group class, so each command, present or future, gets it.
+    """
+    try:
+        rv = main(standalone_mode=False, **kwargs)
+    except _CLI_ERRORS as exc:
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # type: ignore[attr-defined]  # bare ``pykv``: the help text
+        else:
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            typer.echo(error_line(exc.format_message()) + hint, err=True)  # type: ignore[attr-defined]
+        rv = getattr(exc, "exit_code", USAGE_EXIT)
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo(error_line("aborted"), err=True)
+        rv = 130
+    except PykvError as exc:
+        typer.echo(error_line(str(exc)), err=True)
+        rv = USAGE_EXIT
+    except OSError as exc:  # the tree, not the user: permissions, a full disk, I/O errors
+        typer.echo(error_line(str(exc)), err=True)
+        rv = 1
+    if standalone_mode:
+        sys.exit(rv if isinstance(rv, int) else 0)
+    return rv
+
+
+def size(value: int | None) -> str:
+    return "-" if value is None else format_size(value)
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]], *, right: set[str] = frozenset()) -> Table:
+    """A plain rich table; ``right`` names right-aligned (numeric) columns."""
+    out = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    for name in columns:
+        numeric = name in right
+        out.add_column(name, justify="right" if numeric else "left", no_wrap=numeric,
+                       min_width=len(name) if numeric else None, overflow="fold")
+    for row in rows:
+        out.add_row(*(str(cell) for cell in row))
+    return out
+
+
+# -- options shared by the reporting commands ---------------------------------------------
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+NoCatalogFlag = Annotated[bool, typer.Option(
+    "--no-catalog", help="List every directory instead of reusing the scan cache in .pykv/catalog.db.")]
+RootArgument = Annotated[Path, typer.Argument(
+    help="The tree's root directory (holding pykv-tree.json).", show_default=False)]

@@ -1,0 +1,140 @@
+"""A SQLite cache of tree scans (``<root>/.pykv/catalog.db``), built with sqlite-utils.
+
+The tree stays the truth; the catalog only saves work. It stores, per leaf shard
+dir, the dir's mtime and the classified entries seen when it was last listed. A
+later scan re-lists a leaf dir only when its mtime changed: creating, linking,
+renaming or unlinking a file in it changes the dir's mtime, so an unchanged mtime
+means an unchanged set of names, and block files are never rewritten in place,
+so their size and mtime (publication time) are unchanged too.
+
+What an unchanged dir mtime does *not* say is the atime: ``KVTree.touch`` changes
+only the file. Cached atimes are therefore lower bounds (atimes only move
+forward), and gc re-stats each candidate before deleting it (see ``gc.collect``).
+
+A dir whose mtime is within ``RACY_NS`` of the moment it was listed is stored
+untrusted (mtime NULL) and listed again next time: a file created in the same
+timestamp tick as the listing would otherwise leave the mtime unchanged.
+
+The serving path never opens this file. Any SQLite failure (locked, corrupt,
+read-only) makes ``scan_tree`` fall back to a plain walk.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from pathlib import Path
+
+import sqlite_utils
+
+from pykv.maintenance.scan import Entry, Kind, LeafDir, Scan, collector_paused, list_leaf, walk_structure
+from pykv.tree import KVTree
+
+log = logging.getLogger(__name__)
+
+CATALOG_NAME = "catalog.db"
+SCHEMA_VERSION = 1
+RACY_NS = 2_000_000_000
+_KINDS = {kind.value: kind for kind in Kind}
+
+
+class Catalog:
+    """The scan cache of one tree. Use as a context manager or call ``close``."""
+
+    def __init__(self, tree: KVTree, path: Path | None = None) -> None:
+        self.tree = tree
+        self.path = path or tree.state_dir / CATALOG_NAME
+        self.path.parent.mkdir(mode=tree.options.dir_mode, exist_ok=True)
+        self.db = sqlite_utils.Database(self.path)
+        self.db.execute("PRAGMA busy_timeout = 10000")
+        self._ensure_schema()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _ensure_schema(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version != SCHEMA_VERSION:
+            for name in self.db.table_names():
+                self.db[name].drop()
+        self.db["leaf_dirs"].create({"dir": str, "namespace": str, "mtime_ns": int}, pk="dir",
+                                    if_not_exists=True)
+        self.db["entries"].create({"dir": str, "name": str, "kind": str, "size": int,
+                                   "atime_ns": int, "mtime_ns": int}, pk=("dir", "name"),
+                                  if_not_exists=True)
+        self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def scan(self) -> Scan:
+        """Scan the tree, re-listing only leaf dirs whose mtime changed; update the cache."""
+        with collector_paused():
+            return self._scan()
+
+    def _scan(self) -> Scan:
+        started = time.time_ns()
+        root = str(self.tree.root)
+        prefix = len(root) + 1
+        cached_mtime = dict(self.db.execute("SELECT dir, mtime_ns FROM leaf_dirs").fetchall())
+        result = Scan(started_ns=started)
+        reuse: dict[str, LeafDir] = {}
+        fresh: list[tuple[LeafDir, float, list[Entry]]] = []
+        for item in walk_structure(self.tree):
+            if not isinstance(item, LeafDir):
+                result.entries.append(item)
+                continue
+            rel = item.path[prefix:]  # walk paths are f"{root}/..."
+            if cached_mtime.get(rel) == item.mtime_ns:
+                reuse[rel] = item
+            else:
+                listed_at = time.time_ns()
+                entries = list_leaf(item)
+                result.entries.extend(entries)
+                fresh.append((item, listed_at, entries))
+        result.dirs_listed = len(fresh)
+        result.dirs_cached = len(reuse)
+        append, kinds = result.entries.append, _KINDS
+        for rel, name, kind, size, atime_ns, mtime_ns in self.db.execute(
+                "SELECT dir, name, kind, size, atime_ns, mtime_ns FROM entries"):
+            leaf = reuse.get(rel)
+            if leaf is not None:
+                append(Entry(f"{leaf.path}/{name}", kinds[kind], leaf.namespace, size, atime_ns, mtime_ns))
+        try:
+            self._store(prefix, set(cached_mtime) - set(reuse), fresh)
+        except sqlite3.Error as exc:  # the scan stands; the next one lists more
+            log.warning("could not update catalog %s: %s", self.path, exc)
+        return result
+
+    def _store(self, prefix: int, stale: set[str], fresh: list[tuple[LeafDir, float, list[Entry]]]) -> None:
+        conn = self.db.conn
+        with conn:
+            conn.executemany("DELETE FROM entries WHERE dir = ?", ((rel,) for rel in stale))
+            conn.executemany("DELETE FROM leaf_dirs WHERE dir = ?", ((rel,) for rel in stale))
+            dir_rows = []
+            entry_rows = []
+            for leaf, listed_at, entries in fresh:
+                rel = leaf.path[prefix:]
+                trusted = leaf.mtime_ns < listed_at - RACY_NS
+                dir_rows.append((rel, leaf.namespace, leaf.mtime_ns if trusted else None))
+                entry_rows.extend((rel, e.path[len(leaf.path) + 1:], e.kind.value, e.size, e.atime_ns, e.mtime_ns)
+                                  for e in entries)
+            conn.executemany("INSERT OR REPLACE INTO leaf_dirs (dir, namespace, mtime_ns) VALUES (?, ?, ?)",
+                             dir_rows)
+            conn.executemany("INSERT OR REPLACE INTO entries (dir, name, kind, size, atime_ns, mtime_ns) "
+                             "VALUES (?, ?, ?, ?, ?, ?)", entry_rows)
+
+
+def scan_tree(tree: KVTree, *, use_catalog: bool = True) -> Scan:
+    """Scan ``tree``, through the catalog when ``use_catalog`` and it is usable."""
+    if use_catalog:
+        try:
+            with Catalog(tree) as catalog:
+                return catalog.scan()
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("catalog %s unusable (%s); scanning without it", tree.state_dir / CATALOG_NAME, exc)
+    return Scan.of(tree)

@@ -1,0 +1,209 @@
+"""Checking a tree for damage and repairing it.
+
+Problems, by class (``Problem``), and what ``repair`` does with each:
+
+==================  ================================================================  ==========
+class               meaning                                                           repair
+==================  ================================================================  ==========
+``stale-temp``      a temp file older than the grace period (a writer died)           remove
+``foreign``         anything the layout does not allow, symlinks included             remove *
+``truncated``       shorter than its header says (or too short to hold a header)      quarantine
+``oversized``       longer than its header says                                       quarantine
+``bad-header``      bad magic, header checksum, version or fields                     quarantine
+``bad-checksum``    payload does not match the header's checksum                      quarantine
+``misplaced``       a sound block under the wrong name or namespace for its header    quarantine
+``unreadable``      the block cannot be opened or read (permissions, I/O error)       quarantine
+==================  ================================================================  ==========
+
+\\* a symlink is unlinked (never its target); a foreign directory is moved into
+quarantine whole rather than deleted, since it may hold someone's data.
+
+Quarantine is ``<root>/.pykv/quarantine/<run>/<path relative to root>``: a rename,
+which moves the entry itself and never follows a symlink. Young temps (within
+the grace period) may belong to a writer at work and are not problems. A file
+that vanishes while being checked or repaired was deleted by gc or another host
+and is simply gone. Empty shard dirs are left alone: removing one could race a
+writer that just created it (``KVTree.ensure_parent``) and make its write fail.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pykv.blockfile import check_block, read_header
+from pykv.errors import FormatError
+from pykv.format import HEADER_SIZE
+from pykv.maintenance.scan import Entry, Kind, relative, walk
+from pykv.tree import KVTree
+
+QUARANTINE_DIR = "quarantine"
+DEFAULT_GRACE_S = 3600.0
+
+
+class Problem(str, enum.Enum):
+    STALE_TEMP = "stale-temp"
+    FOREIGN = "foreign"
+    TRUNCATED = "truncated"
+    OVERSIZED = "oversized"
+    BAD_HEADER = "bad-header"
+    BAD_CHECKSUM = "bad-checksum"
+    MISPLACED = "misplaced"
+    UNREADABLE = "unreadable"
+
+    @property
+    def repair_action(self) -> str:
+        return "remove" if self in (Problem.STALE_TEMP, Problem.FOREIGN) else "quarantine"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: the entry (path relative to the root), its class and why."""
+
+    path: str
+    problem: Problem
+    detail: str
+    is_dir: bool = False
+    is_symlink: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "problem": self.problem.value, "detail": self.detail,
+                "repair": self.problem.repair_action}
+
+
+@dataclass
+class FsckReport:
+    """What a check found; after ``repair``, also what was fixed and what failed."""
+
+    root: str
+    blocks_checked: int = 0
+    bytes_checked: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    repaired: list[Finding] = field(default_factory=list)
+    failed: list[tuple[Finding, str]] = field(default_factory=list)
+    quarantine: str | None = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(f.problem.value for f in self.findings))
+
+    @property
+    def remaining(self) -> list[Finding]:
+        """Problems still in the tree (all findings until a repair ran)."""
+        if self.quarantine is None:  # no repair ran
+            return list(self.findings)
+        return [finding for finding, _ in self.failed]
+
+    @property
+    def clean(self) -> bool:
+        return not self.remaining
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "blocks_checked": self.blocks_checked, "bytes_checked": self.bytes_checked,
+                "counts": self.counts, "findings": [f.as_dict() for f in self.findings],
+                "repaired": len(self.repaired), "quarantine": self.quarantine,
+                "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
+                "clean": self.clean}
+
+
+def check_block_file(tree: KVTree, path: str) -> tuple[Problem, str] | None:
+    """The problem with the block file at ``path``, or None if it is sound and in place.
+
+    Raises ``FileNotFoundError`` if the file vanished.
+    """
+    try:
+        checked = check_block(Path(path))
+    except FormatError as exc:
+        return _classify_damage(path, exc)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        return Problem.UNREADABLE, str(exc)
+    header = checked.header
+    expected = tree.block_path(header.namespace.hex(), header.key)
+    if str(expected) != path:
+        return Problem.MISPLACED, f"header says it belongs at {relative(tree, expected)}"
+    return None
+
+
+def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
+    size = os.lstat(path).st_size
+    try:
+        header = read_header(Path(path))
+    except FormatError:
+        return (Problem.TRUNCATED if size < HEADER_SIZE else Problem.BAD_HEADER), exc.reason
+    if size < header.file_size:
+        return Problem.TRUNCATED, exc.reason
+    if size > header.file_size:
+        return Problem.OVERSIZED, exc.reason
+    return Problem.BAD_CHECKSUM, exc.reason
+
+
+def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int) -> tuple[Problem, str] | None:
+    if entry.kind is Kind.BLOCK:
+        return check_block_file(tree, entry.path)
+    if entry.kind is Kind.TEMP:
+        if entry.mtime_ns < min_temp_mtime_ns:
+            age = (time.time_ns() - entry.mtime_ns) / 1e9
+            return Problem.STALE_TEMP, f"temp file {age:.0f}s old"
+        return None
+    if entry.kind is Kind.FOREIGN:
+        what = "symlink" if entry.is_symlink else "directory" if entry.is_dir else "file"
+        return Problem.FOREIGN, f"{what} not allowed here by the tree layout"
+    return None
+
+
+def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S) -> FsckReport:
+    """Walk the whole tree (no catalog) and check every entry; block files in full."""
+    report = FsckReport(root=str(tree.root))
+    min_temp_mtime_ns = time.time_ns() - int(grace_s * 1e9)
+    for entry in walk(tree):
+        try:
+            found = _check_entry(tree, entry, min_temp_mtime_ns)
+        except FileNotFoundError:
+            continue
+        if entry.kind is Kind.BLOCK:
+            report.blocks_checked += 1
+            report.bytes_checked += entry.size
+        if found is not None:
+            problem, detail = found
+            report.findings.append(Finding(relative(tree, entry.path), problem, detail,
+                                           entry.is_dir, entry.is_symlink))
+    report.findings.sort(key=lambda f: f.path)
+    return report
+
+
+def repair(tree: KVTree, report: FsckReport) -> FsckReport:
+    """Fix what ``report`` found: remove temps and foreign entries, quarantine damaged blocks.
+
+    Damaged blocks are checked again first, so a block replaced by a sound one
+    since the check is left alone. Updates and returns ``report``.
+    """
+    run = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+    quarantine = tree.state_dir / QUARANTINE_DIR / run
+    report.quarantine = str(quarantine)
+    for finding in report.findings:
+        path = str(tree.root / finding.path)
+        try:
+            if finding.problem.repair_action == "remove" and not finding.is_dir:
+                os.unlink(path)  # a symlink itself, never its target
+            else:
+                if finding.problem.repair_action == "quarantine" and check_block_file(tree, path) is None:
+                    report.repaired.append(finding)
+                    continue
+                destination = quarantine / finding.path
+                destination.parent.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
+                os.rename(path, destination)
+        except FileNotFoundError:
+            pass  # gone already: nothing left to fix
+        except OSError as exc:
+            report.failed.append((finding, str(exc)))
+            continue
+        report.repaired.append(finding)
+    return report
+

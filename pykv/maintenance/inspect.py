@@ -1,0 +1,123 @@
+"""A summary of what a tree holds: per namespace, files, bytes, ages, temps; the last gc.
+
+Ages are measured from a block's mtime, its publication time (exact even from a
+cached scan); recency of access is gc's concern and is read fresh there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from pykv.maintenance.catalog import scan_tree
+from pykv.maintenance.gc import last_gc
+from pykv.maintenance.scan import Entry, Kind
+from pykv.tree import NAMESPACE_FILE, KVTree
+
+#: Upper bounds (seconds) and labels of the age histogram's buckets.
+AGE_BUCKETS: tuple[tuple[float, str], ...] = (
+    (600, "<10m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (30 * 86400, "<30d"), (math.inf, ">=30d"))
+
+
+def _empty_histogram() -> dict[str, int]:
+    return {label: 0 for _, label in AGE_BUCKETS}
+
+
+_BOUNDS = [bound for bound, _ in AGE_BUCKETS]
+_LABELS = [label for _, label in AGE_BUCKETS]
+
+
+def age_bucket(age_s: float) -> str:
+    """The histogram label for an age in seconds."""
+    return _LABELS[bisect.bisect_right(_BOUNDS, age_s)]
+
+
+@dataclass
+class NamespaceSummary:
+    id: str
+    description: str = ""
+    files: int = 0
+    bytes: int = 0
+    temp_files: int = 0
+    temp_bytes: int = 0
+    foreign: int = 0
+    ages: dict[str, int] = field(default_factory=_empty_histogram)
+
+
+@dataclass
+class TreeSummary:
+    root: str
+    namespaces: list[NamespaceSummary]
+    files: int
+    bytes: int
+    temp_files: int
+    temp_bytes: int
+    oldest_temp_age_s: float | None
+    foreign: int
+    ages: dict[str, int]
+    last_gc: dict[str, Any] | None
+    dirs_listed: int = 0
+    dirs_cached: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(root: str, entries: Iterable[Entry], *, now_ns: int) -> TreeSummary:
+    """Pure summary of scanned entries (no namespace descriptions, no gc state)."""
+    spaces: dict[str | None, NamespaceSummary] = {}
+    oldest_temp_ns: int | None = None
+    for entry in entries:
+        space = spaces.get(entry.namespace)
+        if space is None:
+            space = spaces[entry.namespace] = NamespaceSummary(entry.namespace or "")
+        if entry.kind is Kind.BLOCK:
+            space.files += 1
+            space.bytes += entry.size
+            space.ages[age_bucket((now_ns - entry.mtime_ns) / 1e9)] += 1
+        elif entry.kind is Kind.TEMP:
+            space.temp_files += 1
+            space.temp_bytes += entry.size
+            oldest_temp_ns = entry.mtime_ns if oldest_temp_ns is None else min(oldest_temp_ns, entry.mtime_ns)
+        elif entry.kind is Kind.FOREIGN:
+            space.foreign += 1
+    namespaces = sorted(spaces.values(), key=lambda s: (-s.bytes, s.id))
+    ages = _empty_histogram()
+    for space in namespaces:
+        for label, count in space.ages.items():
+            ages[label] += count
+    return TreeSummary(
+        root=root, namespaces=namespaces,
+        files=sum(s.files for s in namespaces), bytes=sum(s.bytes for s in namespaces),
+        temp_files=sum(s.temp_files for s in namespaces), temp_bytes=sum(s.temp_bytes for s in namespaces),
+        oldest_temp_age_s=None if oldest_temp_ns is None else (now_ns - oldest_temp_ns) / 1e9,
+        foreign=sum(s.foreign for s in namespaces), ages=ages, last_gc=None)
+
+
+def describe_namespace(tree: KVTree, namespace_id: str) -> str:
+    """A short description from ``namespace.json`` (model, dtype, ranks); '' if unreadable."""
+    try:
+        data = json.loads((tree.namespace_dir(namespace_id) / NAMESPACE_FILE).read_text())
+        return (f"{data['model']} {data['dtype']} tp{data.get('tp_rank', 0)}/{data.get('tp_size', 1)} "
+                f"pp{data.get('pp_rank', 0)}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def inspect_tree(tree: KVTree, *, use_catalog: bool = True) -> TreeSummary:
+    """Scan ``tree`` (through the catalog when possible) and summarize it."""
+    started = time.monotonic()
+    scan = scan_tree(tree, use_catalog=use_catalog)
+    summary = summarize(str(tree.root), scan.entries, now_ns=time.time_ns())
+    for space in summary.namespaces:
+        if space.id:
+            space.description = describe_namespace(tree, space.id)
+    summary.last_gc = last_gc(tree)
+    summary.dirs_listed, summary.dirs_cached = scan.dirs_listed, scan.dirs_cached
+    summary.seconds = time.monotonic() - started
+    return summary

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import os
+
+from treefactory import add_block, age_dirs, key, make_tree
+
+from pykv.maintenance.catalog import CATALOG_NAME, Catalog, scan_tree
+from pykv.maintenance.scan import Kind, Scan
+
+
+def summary(scan):
+    return sorted((e.path, e.kind, e.size, e.mtime_ns) for e in scan.entries)
+
+
+def test_warm_scan_reuses_unchanged_dirs_and_matches_a_full_scan(tmp_path):
+    tree = make_tree(tmp_path)
+    for i in range(20):
+        add_block(tree, bytes([i * 11]) + key(i))
+    age_dirs(tree)
+    with Catalog(tree) as catalog:
+        cold = catalog.scan()
+        warm = catalog.scan()
+    assert cold.dirs_cached == 0 and cold.dirs_listed == 20
+    assert warm.dirs_cached == 20 and warm.dirs_listed == 0
+    assert summary(warm) == summary(cold) == summary(Scan.of(tree))
+    assert (tree.state_dir / CATALOG_NAME).is_file()
+
+
+def test_changed_dirs_are_listed_again(tmp_path):
+    tree = make_tree(tmp_path)
+    first = add_block(tree, key(1))
+    second = add_block(tree, key(2))  # same leaf dir as key(1)
+    assert first.parent == second.parent
+    age_dirs(tree)
+    with Catalog(tree) as catalog:
+        catalog.scan()
+        first.unlink()
+        third = add_block(tree, key(3))
+        warm = catalog.scan()
+    assert warm.dirs_listed == 1
+    assert sorted(e.path for e in warm.of_kind(Kind.BLOCK)) == sorted([str(second), str(third)])
+
+
+def test_racy_dirs_are_not_trusted(tmp_path):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(1))  # leaf dir modified just now
+    with Catalog(tree) as catalog:
+        catalog.scan()
+        assert catalog.scan().dirs_listed == 1
+
+
+def test_removed_dirs_leave_the_catalog(tmp_path):
+    tree = make_tree(tmp_path)
+    path = add_block(tree, key(1))
+    age_dirs(tree)
+    with Catalog(tree) as catalog:
+        catalog.scan()
+        path.unlink()
+        path.parent.rmdir()
+        assert catalog.scan().entries == [e for e in Scan.of(tree).entries]
+        assert catalog.db["entries"].count == 0
+
+
+def test_cached_atime_is_a_lower_bound(tmp_path):
+    tree = make_tree(tmp_path)
+    path = add_block(tree, key(1), accessed_ago=1000)
+    age_dirs(tree)
+    with Catalog(tree) as catalog:
+        before = catalog.scan().of_kind(Kind.BLOCK)[0].atime_ns
+        tree.touch(path)
+        cached = catalog.scan().of_kind(Kind.BLOCK)[0].atime_ns
+    assert cached == before < os.stat(path).st_atime_ns
+
+
+def test_unusable_catalog_falls_back_to_a_plain_scan(tmp_path):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(1))
+    tree.state_dir.mkdir()
+    (tree.state_dir / CATALOG_NAME).write_bytes(b"not a database" * 100)
+    result = scan_tree(tree)
+    assert len(result.of_kind(Kind.BLOCK)) == 1
+
+
+def test_schema_version_mismatch_rebuilds(tmp_path):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(1))
+    with Catalog(tree) as catalog:
+        catalog.scan()
+        catalog.db.execute("PRAGMA user_version = 99")
+    with Catalog(tree) as catalog:
+        assert catalog.db["entries"].count == 0
+        assert len(catalog.scan().of_kind(Kind.BLOCK)) == 1

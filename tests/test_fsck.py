@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import os
+import shutil
+
+from treefactory import HOUR, NS, OTHER_NS, add_block, key, make_tree, set_mtime
+
+from pykv.format import HEADER_SIZE
+from pykv.maintenance.fsck import Problem, fsck, repair
+from pykv.maintenance.scan import Kind, Scan
+
+
+def flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def plant_damage(tree, tmp_path):
+    """Every class of damage, by path relative to the root -> expected problem."""
+    rel = lambda p: os.path.relpath(p, tree.root)  # noqa: E731
+    expected = {}
+    sound = add_block(tree, key(0))
+
+    old_temp = tree.temp_path(tree.block_path(NS.id, key(1)))
+    old_temp.write_bytes(b"half written")
+    set_mtime(old_temp, 2 * HOUR)
+    expected[rel(old_temp)] = Problem.STALE_TEMP
+    young_temp = tree.temp_path(tree.block_path(NS.id, key(2)))
+    young_temp.write_bytes(b"being written")
+
+    truncated = add_block(tree, key(3))
+    os.truncate(truncated, HEADER_SIZE + 100)
+    expected[rel(truncated)] = Problem.TRUNCATED
+    oversized = add_block(tree, key(4))
+    with open(oversized, "ab") as f:
+        f.write(b"\0" * 4096)
+    expected[rel(oversized)] = Problem.OVERSIZED
+    empty = add_block(tree, key(5))
+    os.truncate(empty, 0)
+    expected[rel(empty)] = Problem.TRUNCATED
+    bad_magic = add_block(tree, key(6))
+    flip(bad_magic, 0)
+    expected[rel(bad_magic)] = Problem.BAD_HEADER
+    header_flip = add_block(tree, key(7))
+    flip(header_flip, 45)  # inside the block key
+    expected[rel(header_flip)] = Problem.BAD_HEADER
+    payload_flip = add_block(tree, key(8))
+    flip(payload_flip, HEADER_SIZE + 10)
+    expected[rel(payload_flip)] = Problem.BAD_CHECKSUM
+
+    wrong_name = tree.block_path(NS.id, key(9))
+    tree.ensure_parent(wrong_name)
+    shutil.copyfile(sound, wrong_name)
+    expected[rel(wrong_name)] = Problem.MISPLACED
+    tree.ensure_namespace(OTHER_NS)
+    other = add_block(tree, key(10), namespace=OTHER_NS)
+    wrong_namespace = tree.block_path(NS.id, key(10))
+    tree.ensure_parent(wrong_namespace)
+    shutil.copyfile(other, wrong_namespace)
+    expected[rel(wrong_namespace)] = Problem.MISPLACED
+
+    foreign = tree.root / NS.id / "notes.txt"
+    foreign.write_text("hello")
+    expected[rel(foreign)] = Problem.FOREIGN
+    foreign_dir = sound.parent / "junk"
+    foreign_dir.mkdir()
+    (foreign_dir / "inside").write_text("x")
+    expected[rel(foreign_dir)] = Problem.FOREIGN
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    link = sound.parent / "ffff.kv"
+    link.symlink_to(target)
+    expected[rel(link)] = Problem.FOREIGN
+    return expected, sound, young_temp, target
+
+
+def test_fsck_finds_every_class_of_damage(tmp_path):
+    tree = make_tree(tmp_path)
+    expected, sound, young_temp, _ = plant_damage(tree, tmp_path)
+    report = fsck(tree)
+    assert {f.path: f.problem for f in report.findings} == expected
+    assert report.blocks_checked == 10 and not report.clean
+    assert report.counts == {"stale-temp": 1, "truncated": 2, "oversized": 1, "bad-header": 2,
+                             "bad-checksum": 1, "misplaced": 2, "foreign": 3}
+
+
+def test_repair_fixes_everything_and_keeps_symlink_targets(tmp_path):
+    tree = make_tree(tmp_path)
+    expected, sound, young_temp, target = plant_damage(tree, tmp_path)
+    report = repair(tree, fsck(tree))
+    assert report.clean and len(report.repaired) == len(expected) and report.failed == []
+    assert target.read_text() == "keep me"
+    assert sound.exists() and young_temp.exists()
+    quarantined = {os.path.relpath(os.path.join(d, n), report.quarantine)
+                   for d, dirs, files in os.walk(report.quarantine) for n in files}
+    damaged = {p for p, problem in expected.items() if problem.repair_action == "quarantine"}
+    assert damaged | {os.path.join(p, "inside") for p, pr in expected.items() if p.endswith("junk")} == quarantined
+    again = fsck(tree)
+    assert again.clean and again.findings == [] and again.blocks_checked == 2
+    assert str(sound) in [e.path for e in Scan.of(tree).of_kind(Kind.BLOCK)]
+
+
+def test_young_temps_are_not_problems_until_grace_passes(tmp_path):
+    tree = make_tree(tmp_path)
+    temp = tree.temp_path(tree.block_path(NS.id, key(1)))
+    tree.ensure_parent(temp)
+    temp.write_bytes(b"x")
+    set_mtime(temp, 120)
+    assert fsck(tree).clean
+    assert [f.problem for f in fsck(tree, grace_s=60).findings] == [Problem.STALE_TEMP]
+
+
+def test_repair_tolerates_files_that_vanished(tmp_path):
+    tree = make_tree(tmp_path)
+    path = add_block(tree, key(1))
+    os.truncate(path, 10)
+    report = fsck(tree)
+    path.unlink()
+    assert repair(tree, report).clean
+
+
+def test_repair_leaves_a_block_that_became_sound(tmp_path):
+    tree = make_tree(tmp_path)
+    path = add_block(tree, key(1))
+    good = path.read_bytes()
+    os.truncate(path, 10)
+    report = fsck(tree)
+    path.write_bytes(good)  # gc removed it, a writer republished it
+    assert repair(tree, report).clean and path.exists()
