@@ -54,9 +54,30 @@ class IoCompletion:
 
 
 class IoBackend(abc.ABC):
-    """Asynchronous file I/O with a bounded number of operations in flight."""
+    """Asynchronous file I/O with a bounded number of operations in flight.
+
+    Subclasses call ``__init__(depth)``, ``_admit`` before queuing a batch and
+    count completions off ``_in_flight``.
+    """
 
     name: str = "abstract"
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._depth = depth
+        self._in_flight = 0
+        self._closed = False
+
+    def _admit(self, requests: Sequence[IoRequest]) -> None:
+        """Refuse a batch on a closed backend or beyond ``depth``."""
+        self._check_open()
+        if self._in_flight + len(requests) > self._depth:
+            raise ValueError(f"{self._in_flight} in flight + {len(requests)} new exceeds depth {self._depth}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.name} backend is closed")
 
     @abc.abstractmethod
     def submit(self, requests: Sequence[IoRequest]) -> None:
@@ -72,14 +93,14 @@ class IoBackend(abc.ABC):
         """Thread-safe: make a pending or the next ``wait`` return promptly."""
 
     @property
-    @abc.abstractmethod
     def depth(self) -> int:
         """Maximum operations in flight."""
+        return self._depth
 
     @property
-    @abc.abstractmethod
     def in_flight(self) -> int:
         """Operations submitted and not yet returned by ``wait``."""
+        return self._in_flight
 
     @abc.abstractmethod
     def close(self) -> None:

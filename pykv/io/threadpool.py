@@ -64,11 +64,7 @@ class ThreadPoolBackend(IoBackend):
     name = "threadpool"
 
     def __init__(self, depth: int = 64) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self._depth = depth
-        self._in_flight = 0
-        self._closed = False
+        super().__init__(depth)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [
@@ -82,20 +78,8 @@ class ThreadPoolBackend(IoBackend):
         while (request := self._requests.get()) is not _STOP:
             self._completions.put(IoCompletion(request.token, _execute(request)))
 
-    @property
-    def depth(self) -> int:
-        return self._depth
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def submit(self, requests: Sequence[IoRequest]) -> None:
-        if self._closed:
-            raise ValueError("threadpool backend is closed")
-        if self._in_flight + len(requests) > self._depth:
-            raise ValueError(f"{self._in_flight} in flight + {len(requests)} new "
-                             f"exceeds depth {self._depth}")
+        self._admit(requests)
         for request in requests:
             _validate(request)
         for request in requests:
@@ -103,8 +87,7 @@ class ThreadPoolBackend(IoBackend):
         self._in_flight += len(requests)
 
     def wait(self, min_completions: int = 1, timeout: float | None = None) -> list[IoCompletion]:
-        if self._closed:
-            raise ValueError("threadpool backend is closed")
+        self._check_open()
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         done: list[IoCompletion] = []
         while True:

@@ -121,14 +121,10 @@ class UringBackend(IoBackend):
     name = "io_uring"
 
     def __init__(self, depth: int = 64) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self._depth = depth
-        self._in_flight = 0
+        super().__init__(depth)
         self._ops: dict[int, tuple[IoRequest, tuple, object]] = {}
         self._ids = itertools.count(_WAKE_ID + 1)
         self._maps: list[mmap.mmap] = []
-        self._closed = False
         self._wake_lock = threading.Lock()
         self._event_fd = -1
         params = _Params()
@@ -180,19 +176,8 @@ class UringBackend(IoBackend):
 
     # -- IoBackend ---------------------------------------------------------------------
 
-    @property
-    def depth(self) -> int:
-        return self._depth
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def submit(self, requests: Sequence[IoRequest]) -> None:
-        self._check_open()
-        if self._in_flight + len(requests) > self._depth:
-            raise ValueError(f"{self._in_flight} in flight + {len(requests)} new "
-                             f"exceeds depth {self._depth}")
+        self._admit(requests)
         prepared = [_prepare(request) for request in requests]  # validate before queuing
         for request, (sqe, keep) in zip(requests, prepared):
             user_data = next(self._ids)
@@ -243,10 +228,6 @@ class UringBackend(IoBackend):
             self._release()
 
     # -- ring mechanics ----------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("io_uring backend is closed")
 
     def _push(self, sqe: tuple) -> None:
         tail = self._sq_local_tail
