@@ -1,0 +1,137 @@
+"""Every difference between the vLLM versions pykv supports (0.26 to 0.33), in one place.
+
+Other modules of ``pykv.connector`` import vLLM names from here, never from vLLM
+directly, so a new vLLM release means reading and editing this one file.
+
+| difference                              | versions  | absorbed by                    |
+|-----------------------------------------|-----------|--------------------------------|
+| ``OffloadingEvent.medium`` str vs enum  | 26 / 27+  | ``STORAGE_MEDIUM``             |
+| ``OffloadPolicy`` default member name   | 26-29/30+ | ``DEFAULT_OFFLOAD_POLICY``     |
+| ``block_ids`` int64 vs int32            | 26-29/30+ | ``block_ids()`` (always int64) |
+| ``submit_load(..., expedited=)``        | 33        | worker signature has it        |
+| ``OffloadingManager.lock``              | 33        | base default (no-op) is right: |
+|                                         |           | our manager has no thread      |
+| ``get_transfer_results``/failed_recving | 30+       | ``HAS_TRANSFER_RESULTS``       |
+| ``kv_cache_layout`` in OffloadingConfig | 29+       | ``kv_layout()``                |
+| cross-layer HND blocks on CUDA          | 26-28     | ``kv_layout()`` names it       |
+| ``group_idx`` meaning (index vs id)     | 26-29/30+ | opaque: part of the key bytes  |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
+
+VLLM_VERSION: str = vllm.__version__
+
+
+def _minor(version: str) -> int:
+    parts = version.split(".")
+    try:
+        return int(parts[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+VLLM_MINOR = _minor(VLLM_VERSION)
+
+try:  # 27+: an enum; 26: plain strings (vllm.distributed.kv_events.MEDIUM_*)
+    from vllm.v1.kv_offload.base import Medium
+    STORAGE_MEDIUM: Any = Medium.STORAGE
+except ImportError:  # pragma: no cover - 0.26
+    STORAGE_MEDIUM = "STORAGE"
+
+DEFAULT_OFFLOAD_POLICY = getattr(OffloadPolicy, "CHUNK_LEVEL", None) or getattr(OffloadPolicy, "BLOCK_LEVEL")
+
+try:  # 30+: request-level failure reporting
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    HAS_TRANSFER_RESULTS = True
+except ImportError:  # pragma: no cover - 0.26 to 0.29
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+    HAS_TRANSFER_RESULTS = False
+
+
+def block_ids(spec: GPULoadStoreSpec) -> np.ndarray:
+    """The spec's GPU block ids as int64 whatever dtype this vLLM uses."""
+    return np.asarray(spec.block_ids, dtype=np.int64)
+
+
+def platform_name() -> str:
+    """``cuda``, ``cpu``, ``xpu``, ``rocm`` ...: byte layouts differ between them."""
+    from vllm.platforms import current_platform
+    if current_platform.is_rocm():
+        return "rocm"
+    return str(current_platform.device_type)
+
+
+def kv_layout(config: OffloadingConfig) -> str:
+    """The KV byte layout the worker's canonical tensors carry, as a namespace field.
+
+    29+ name it in ``OffloadingConfig.kv_cache_layout`` (``LBHNC`` normally).
+    26-28 require ``HND`` and, on CUDA with uniform pages, register ONE cross-layer
+    tensor per block (pages of all layers interleaved), which differs byte-wise.
+    """
+    layout = getattr(config, "kv_cache_layout", None)
+    if layout:
+        return f"{layout}/v29+"
+    return "HND-cross-layer/v26-28" if platform_name() == "cuda" else "HND/v26-28"
+
+
+def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
+    """Identifier of each offloaded group as it appears in offload keys."""
+    return tuple(getattr(g, "group_id", i) for i, g in enumerate(config.groups))
+
+
+def load_failure_policy(vllm_config: Any) -> str:
+    """``kv_transfer_config.kv_load_failure_policy`` (``"fail"`` is vLLM's default everywhere)."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    return str(getattr(kv_transfer_config, "kv_load_failure_policy", "fail"))
+
+
+def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
+    """A ``KVConnectorTransferResults`` (30+ only)."""
+    assert KVConnectorTransferResults is not None
+    return KVConnectorTransferResults(finished_sending=finished_sending, finished_recving=finished_recving,
+                                      failed_recving=failed_recving)
+
+
+def new_stats() -> OffloadingConnectorStats:
+    return OffloadingConnectorStats()
+
+
+def route_logs() -> None:
+    """Send the ``pykv`` loggers (core and connector) through vLLM's handlers, once per process."""
+    import logging
+    pykv_logger = logging.getLogger("pykv")
+    if pykv_logger.handlers:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        pykv_logger.addHandler(handler)
+    if vllm_logger.handlers:
+        pykv_logger.setLevel(vllm_logger.level or logging.INFO)
+        pykv_logger.propagate = False

