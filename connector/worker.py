@@ -163,7 +163,6 @@ class PykvWorker(OffloadingWorker):
                 if failed_ids:
                     self._failed_jobs.add(result.job_id)
                 self._report = self._report.merge(report)
-        self.reactor.take_finished()  # results arrive through on_job_done; drop the reactor's copies
         self._write_stats()
         return [result for result, _, _ in finished]
 
@@ -311,11 +310,8 @@ class PykvWorker(OffloadingWorker):
         if chunk.resident or reason.startswith(_NOT_CORRUPTION) or reason == "copy failed":
             return
         path = self.tree.block_path(self.namespace.id, chunk.key)
-        run = f"load-{socket.gethostname()}-{os.getpid()}"
-        target = self.tree.state_dir / "quarantine" / run / path.relative_to(self.tree.root)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True, mode=self.pykv.dir_mode)
-            os.rename(path, target)
+            target = self.tree.quarantine(path, f"load-{socket.gethostname()}-{os.getpid()}")
             log.warning("pykv: %s: %s; moved to %s", path, reason, target)
         except FileNotFoundError:
             return

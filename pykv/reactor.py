@@ -30,6 +30,8 @@ from pykv.tree import KVTree
 
 log = logging.getLogger(__name__)
 
+_EXPECTED = tuple(os.strerror(e) for e in (errno.ENOENT, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
+                                             errno.EPERM))
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -172,13 +174,15 @@ class Reactor:
         self._post(lambda: self._on_filled(transfer, ok))
 
     def take_finished(self) -> list[JobResult]:
-        """Results of jobs finished since the last call."""
+        """Results of jobs finished since the last call (none are kept with ``on_job_done``)."""
         with self._done:
             results, self._finished = self._finished, []
         return results
 
     def wait_for(self, job: object, timeout: float | None = None) -> JobResult:
-        """Block until ``job`` finishes and return (and remove) its result."""
+        """Block until ``job`` finishes and return (and remove) its result (not with ``on_job_done``)."""
+        if self.on_job_done is not None:
+            raise RuntimeError("results go to on_job_done; wait_for has nothing to wait on")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
             while True:
@@ -447,11 +451,11 @@ class Reactor:
             t.fd = -1
 
     def _fail(self, t: _Transfer, reason: str) -> None:
+        """Record a failed block. Expected conditions (a miss, a full or read-only disk) log at
+        debug level: clients report them once per interval; anything else is a warning."""
         t.job.result.failed[t.index] = reason
-        if reason.startswith(("open: No such file", "open for write: No space", "write: No space")):
-            log.debug("%s: %s", t.block.path, reason)
-        else:
-            log.warning("%s: %s", t.block.path, reason)
+        level = logging.DEBUG if reason.endswith(_EXPECTED) else logging.WARNING
+        log.log(level, "%s: %s", t.block.path, reason)
 
     def _on_finish(self, action: Finish) -> None:
         t = self._transfers.pop(action.transfer)
@@ -464,7 +468,8 @@ class Reactor:
     def _finish_job(self, job: _Job) -> None:
         job.result.seconds = time.monotonic() - job.started
         if self.on_job_done is not None:
-            self.on_job_done(job.result)
+            self.on_job_done(job.result)  # the callback owns the result: nothing to keep
+            return
         with self._done:
             self._finished.append(job.result)
             self._done.notify_all()

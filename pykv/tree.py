@@ -36,6 +36,7 @@ from pykv.namespace import Namespace
 
 MARKER_NAME = "pykv-tree.json"
 STATE_DIR = ".pykv"
+QUARANTINE_DIR = "quarantine"
 NAMESPACE_FILE = "namespace.json"
 BLOCK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp."
@@ -170,6 +171,17 @@ class KVTree:
             return True
         except FileNotFoundError:
             return False
+
+    def quarantine(self, path: Path, run: str) -> Path:
+        """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.
+
+        A rename: symlinks move as links, never followed. Raises ``OSError``
+        (``FileNotFoundError`` when someone removed it first).
+        """
+        destination = self.state_dir / QUARANTINE_DIR / run / Path(path).relative_to(self.root)
+        destination.parent.mkdir(parents=True, exist_ok=True, mode=self.options.dir_mode)
+        os.rename(path, destination)
+        return destination
 
     def namespaces(self) -> Iterator[Path]:
         """Namespace directories (hex names only)."""

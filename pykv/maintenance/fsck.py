@@ -40,9 +40,8 @@ from pykv.blockfile import check_block, read_header
 from pykv.errors import FormatError
 from pykv.format import HEADER_SIZE
 from pykv.maintenance.scan import Entry, Kind, relative, walk
-from pykv.tree import KVTree
+from pykv.tree import QUARANTINE_DIR, KVTree
 
-QUARANTINE_DIR = "quarantine"
 DEFAULT_GRACE_S = 3600.0
 
 
@@ -196,9 +195,7 @@ def repair(tree: KVTree, report: FsckReport) -> FsckReport:
                 if finding.problem.repair_action == "quarantine" and check_block_file(tree, path) is None:
                     report.repaired.append(finding)
                     continue
-                destination = quarantine / finding.path
-                destination.parent.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
-                os.rename(path, destination)
+                tree.quarantine(tree.root / finding.path, run)
         except FileNotFoundError:
             pass  # gone already: nothing left to fix
         except OSError as exc:
