@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from pykv.commands import bench, fsck, gc, inspect
+from pykv.commands import bench, config, demo, fsck, gc, inspect
 from pykv.commands.output import run_guarded
 
 
@@ -33,10 +33,12 @@ app = typer.Typer(cls=PykvGroup, name="pykv", no_args_is_help=True, add_completi
                   pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Administer a pykv tree: the hash-addressed files of an external KV cache for vLLM.")
 
+app.command("demo")(demo.demo_command)
 app.command("inspect")(inspect.inspect_command)
 app.command("gc")(gc.gc_command)
 app.command("fsck")(fsck.fsck_command)
 app.command("bench")(bench.bench_command)
+app.command("config")(config.config_command)
 
 
 def main() -> None:

@@ -5,10 +5,18 @@ _pykv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     COMPREPLY=()
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "inspect gc fsck bench --help" -- "$cur"))
+        COMPREPLY=($(compgen -W "demo inspect gc fsck bench config --help" -- "$cur"))
         return
     fi
     case "${COMP_WORDS[1]}" in
+        demo)
+            case "$prev" in
+                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--root --help" -- "$cur"))
+            fi
+            ;;
         inspect)
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--json --no-catalog --help" -- "$cur"))
@@ -47,6 +55,21 @@ _pykv() {
             esac
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--path --depth --block-size --size --repeat --files --no-files --fio --no-fio --json --help" -- "$cur"))
+            fi
+            ;;
+        config)
+            case "$prev" in
+                --root) :; return ;;
+                --dram) :; return ;;
+                --dram-policy) :; return ;;
+                --staging) :; return ;;
+                --io-depth) :; return ;;
+                --verify) :; return ;;
+                --block-tokens) :; return ;;
+                --set) :; return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--root --dram --dram-policy --staging --io-depth --verify --fsync --no-fsync --block-tokens --set --help" -- "$cur"))
             fi
             ;;
     esac

@@ -96,7 +96,7 @@ def block_files(root: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from e2e.model import make_tiny_llama
+    from pykv.connector.tiny_model import make_tiny_llama
     work = tmp_path_factory.mktemp("e2e")
     make_tiny_llama(work / "model")
     return work

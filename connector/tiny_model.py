@@ -1,4 +1,4 @@
-"""A tiny random-weights Llama checkpoint for end-to-end tests (no hub access)."""
+"""A tiny random-weights Llama checkpoint for the demo and end-to-end tests (no hub access)."""
 
 from __future__ import annotations
 

