@@ -31,20 +31,20 @@ def demo_command(
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
            "PYKV_STATS_FILE": str(work / "stats")}
     typer.echo(f"starting vLLM with pykv (tree {root}); the engine takes about a minute to start ...", err=True)
-    done = subprocess.run([sys.executable, "-m", "pykv.connector.demo", "--root", str(root), "--work", str(work)],
-                          env=env, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"runs"')]
-    if done.returncode != 0 or not lines:
-        (work / "engine.log").write_text(done.stdout + done.stderr)
-        raise PykvError(f"the demo engine failed (exit {done.returncode}); its log is {work / 'engine.log'}")
-    result = json.loads(lines[-1])
+    out, log = work / "result.json", work / "engine.log"
+    with open(log, "w") as log_file:  # a file, not a pipe: engine helper processes may outlive the engine
+        done = subprocess.run([sys.executable, "-m", "pykv.connector.demo", "--root", str(root), "--work", str(work),
+                               "--out", str(out)], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    if done.returncode != 0 or not out.exists():
+        raise PykvError(f"the demo engine failed (exit {done.returncode}); its log is {log}")
+    result = json.loads(out.read_text())
     first, second = result["runs"]
     worker = next((v for k, v in result["counters"].items() if k.startswith("worker")), {})
     rows = [[r["run"], r["num_cached_tokens"], f"{r['seconds']:.3f}", " ".join(map(str, r["tokens"]))]
             for r in result["runs"]]
-    out = console()
-    out.print(table("the same 1,000-token prompt twice", ["run", "tokens from pykv", "seconds", "output tokens"],
+    screen = console()
+    screen.print(table("the same 1,000-token prompt twice", ["run", "tokens from pykv", "seconds", "output tokens"],
                     rows, right={"run", "tokens from pykv", "seconds"}))
-    out.print(f"blocks stored: {worker.get('store_published', 0)}, loaded from disk: "
+    screen.print(f"blocks stored: {worker.get('store_published', 0)}, loaded from disk: "
               f"{worker.get('load_blocks_disk', 0)}; outputs equal: {first['tokens'] == second['tokens']}")
     inspect_command(root)

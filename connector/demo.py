@@ -1,10 +1,10 @@
 """The same prompt twice through vLLM with pykv: the second is served from the tree.
 
-Run as ``python -m pykv.connector.demo --root DIR --work DIR`` (``pykv demo`` does
-this in a subprocess, with ``PYTHONHASHSEED=0``): makes a tiny random-weights
+Run as ``python -m pykv.connector.demo --root DIR --work DIR --out FILE`` (``pykv demo``
+does this in a subprocess, with ``PYTHONHASHSEED=0``): makes a tiny random-weights
 Llama (no hub access), starts one engine with pykv, generates from a
 1,000-token prompt, waits until its blocks are published, generates again, and
-prints one JSON line with both results and pykv's own counters.
+writes both results and pykv's own counters to FILE as JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON result goes")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -63,7 +64,7 @@ def main() -> None:
         if attempt == 1:
             wait_for_blocks(args.root, PROMPT_TOKENS // STORAGE_BLOCK_TOKENS)
     counters = read_counters(os.environ["PYKV_STATS_FILE"]) if "PYKV_STATS_FILE" in os.environ else {}
-    print(json.dumps({"runs": runs, "counters": counters}), flush=True)
+    args.out.write_text(json.dumps({"runs": runs, "counters": counters}))
 
 
 if __name__ == "__main__":
