@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# benchmarks/h200_run.sh STAGE [options of `h200_connector.py stage`]
+#
+# Runs one stage of the pykv H200 benchmark on the GPU host, from the repository
+# root (the device tool's working directory). STAGE: A, B, C, D, a comma list
+# (C,D), all, or report. See benchmarks/README.md for the device commands.
+#
+# - installs vLLM 0.26 from the carried parts when /tmp/site/vllm is missing
+#   (shared/device/install.sh, run from /tmp/pykv-device/part2);
+# - lays pykv out as the installed package (pykv + pykv.connector) in
+#   $WORK/shim, adds xxhash from .device/extra when the image lacks it;
+# - runs the stage with a deadline (PYKV_H200_BUDGET_S, default 560 s after this
+#   script started: the device tool stops a command at 600 s);
+# - appends JSON lines to $WORK/results.jsonl (persistent on the held host) and
+#   copies it, the report and the engine logs to $OUT (what comes back).
+set -uo pipefail
+T0=$(date +%s)
+STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|C,D|all|report) [stage options]}
+shift
+REPO=$(pwd)
+WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}
+OUTDIR=${OUT:-$WORK/out}
+BUDGET=${PYKV_H200_BUDGET_S:-560}
+TAG=$(printf '%s' "$STAGE" | tr -cd 'A-Za-z0-9')
+mkdir -p "$WORK" "$OUTDIR"
+say() { echo "[h200_run $(date +%H:%M:%S)] $*"; }
+
+if [ ! -f "$REPO/benchmarks/h200_connector.py" ] || [ ! -d "$REPO/connector" ]; then
+    echo "h200_run.sh: run me from the pykv repository root" >&2; exit 2
+fi
+
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
+export PYTHONHASHSEED=0 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+if [ "$STAGE" = report ]; then
+    PYTHONPATH=$REPO python3 benchmarks/h200_connector.py report "$WORK/results.jsonl" --md "$OUTDIR/report.md"
+    exit $?
+fi
+
+# 1. vLLM 0.26 into /tmp/site (a no-op when it is there)
+if [ ! -d /tmp/site/vllm ]; then
+    if [ -f /tmp/pykv-device/part2/install.sh ]; then
+        say "installing vLLM from /tmp/pykv-device"
+        bash /tmp/pykv-device/part2/install.sh /tmp/pykv-device || { echo "h200_run.sh: vLLM install failed" >&2; exit 3; }
+    else
+        echo "h200_run.sh: /tmp/site/vllm missing and no parts in /tmp/pykv-device: send .device/part1, then" \
+             ".device/part2 (benchmarks/README.md, steps 1 and 2)" >&2
+        exit 3
+    fi
+fi
+
+# 2. pykv as installed: pykv/ with connector/ as pykv/connector (pyproject's package-dir mapping)
+SHIM=$WORK/shim
+rm -rf "$SHIM" && mkdir -p "$SHIM"
+SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ and connector/ (e.g. .device/snap) instead of the working tree
+cp -r "$SRC/pykv" "$SHIM/pykv"
+rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
+find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +
+export PYTHONPATH=$SHIM:$WORK/deps:/tmp/site
+
+# 3. xxhash (pykv's one third-party need on the connector path) if the image lacks it
+if ! python3 -c 'import xxhash' 2>/dev/null; then
+    if ls "$REPO"/.device/extra/xxhash-*.whl >/dev/null 2>&1; then
+        say "installing xxhash from .device/extra"
+        python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$REPO"/.device/extra/xxhash-*.whl \
+            || { echo "h200_run.sh: xxhash install failed" >&2; exit 3; }
+    else
+        echo "h200_run.sh: xxhash missing; carry .device/extra (benchmarks/README.md)" >&2; exit 3
+    fi
+fi
+
+# 4. fail fast if the connector does not import against this vLLM
+if ! (cd "$WORK" && PYTHONPATH=$REPO/benchmarks:$PYTHONPATH python3 -c \
+        'import torch, vllm, pykv.connector.connector, pykv.connector.worker, h200_connector; print("imports ok: vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "pykv.connector from", pykv.connector.__path__[0])'); then
+    echo "h200_run.sh: import check failed" >&2; exit 4
+fi
+say "setup done in $(( $(date +%s) - T0 )) s; stage $STAGE, deadline in $(( T0 + BUDGET - $(date +%s) )) s"
+
+# 5. the stage
+python3 benchmarks/h200_connector.py stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
+    --deadline-at $(( T0 + BUDGET )) "$@"
+rc=$?
+
+# 6. what comes back: results.jsonl and report.md (written by the stage), logs
+tar czf "$OUTDIR/logs-$TAG.tar.gz" -C "$WORK" logs cfg stats 2>/dev/null || true
+[ -f "$WORK/results.jsonl" ] && cp "$WORK/results.jsonl" "$OUTDIR/results.jsonl"
+say "stage $STAGE: rc $rc after $(( $(date +%s) - T0 )) s"
+exit $rc
