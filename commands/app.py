@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from pykv.commands import bench, config, demo, fsck, gc, inspect
+from pykv.commands import bench, calibrate, config, demo, fsck, gc, inspect, warm
 from pykv.commands.output import run_guarded
 
 
@@ -39,6 +39,8 @@ app.command("gc")(gc.gc_command)
 app.command("fsck")(fsck.fsck_command)
 app.command("bench")(bench.bench_command)
 app.command("config")(config.config_command)
+app.command("calibrate")(calibrate.calibrate_command)
+app.command("warm")(warm.warm_command)
 
 
 def main() -> None:

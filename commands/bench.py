@@ -37,6 +37,8 @@ def bench_command(
     if total < block:
         raise InputError(f"--size: {format_size(total)} is smaller than --block-size {format_size(block)}")
     total -= total % block
+    if path is not None and not path.is_dir():
+        raise InputError(f"--path: {path} is not a directory")
     with tempfile.TemporaryDirectory(prefix="pykv-bench-", dir=path) as directory:
         supported, reason = direct_io_supported(directory)
         if not supported:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, RootArgument, emit, table
+from pykv.commands.output import JsonFlag, RootArgument, emit, error_line, table
 from pykv.maintenance import fsck, repair
 from pykv.tree import KVTree
 from pykv.units import parse_duration
@@ -28,6 +28,10 @@ def fsck_command(
     if repair_ and report.findings:
         repair(tree, report)
     emit(report.as_dict(), as_json=as_json, render=_render)
+    if report.failed:  # the report says which; one line says that repair itself failed
+        finding, error = report.failed[0]
+        typer.echo(error_line(f"could not repair {len(report.failed)} of {len(report.findings)} problems "
+                              f"(first: {finding.path}: {error})"), err=True)
     if not report.clean:
         raise typer.Exit(1)
 

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pykv.errors import PykvError
+from pykv.errors import InputError, PykvError
 from pykv.units import format_size
 
 USAGE_EXIT = 2
@@ -103,3 +103,38 @@ NoCatalogFlag = Annotated[bool, typer.Option(
     "--no-catalog", help="List every directory instead of reusing the scan cache in .pykv/catalog.db.")]
 RootArgument = Annotated[Path, typer.Argument(
     help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
+
+
+# -- KEY=VALUE options (--engine-arg, --set) --------------------------------------------------
+def parse_pairs(option: str, items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items of a repeatable option: VALUE as JSON when it parses (8192, true,
+    {...}), else as a string; dashes in KEY become underscores. Errors name ``option``."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            raise InputError(f"{option}: expected KEY=VALUE, got {item!r}")
+        try:
+            values[key] = json.loads(value)
+        except ValueError:
+            values[key] = value
+    return values
+
+
+def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str, ...] = ("model",)) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments from ``--engine-args JSON`` and ``--engine-arg KEY=VALUE``
+    (the latter win); keys in ``reserved`` are set by the command itself."""
+    values: dict[str, Any] = {}
+    if text:
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise InputError(f"--engine-args: not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise InputError("--engine-args: expected a JSON object of vllm.LLM arguments")
+    values = {**values, **parse_pairs("--engine-arg", items)}
+    for key in reserved:
+        if key in values:
+            raise InputError(f"--engine-arg {key}: set by the command (see its --help)")
+    return values

@@ -5,7 +5,7 @@ _pykv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     COMPREPLY=()
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "demo inspect gc fsck bench config --help" -- "$cur"))
+        COMPREPLY=($(compgen -W "demo inspect gc fsck bench config calibrate warm --help" -- "$cur"))
         return
     fi
     case "${COMP_WORDS[1]}" in
@@ -70,6 +70,42 @@ _pykv() {
             esac
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--root --dram --dram-policy --staging --io-depth --verify --fsync --no-fsync --block-tokens --set --help" -- "$cur"))
+            fi
+            ;;
+        calibrate)
+            case "$prev" in
+                --model) :; return ;;
+                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --lengths) :; return ;;
+                --tiers) :; return ;;
+                --out) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --plot) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --repeat) :; return ;;
+                --block-tokens) :; return ;;
+                --engine-arg) :; return ;;
+                --engine-args) :; return ;;
+                --set) :; return ;;
+                --dram-bytes) :; return ;;
+                --bandwidth-size) :; return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--model --root --lengths --tiers --out --plot --no-plot --repeat --block-tokens --engine-arg --engine-args --set --dram-bytes --bandwidth-size --drop-caches --no-drop-caches --json --help" -- "$cur"))
+            fi
+            ;;
+        warm)
+            case "$prev" in
+                --model) :; return ;;
+                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --block-tokens) :; return ;;
+                --engine-arg) :; return ;;
+                --engine-args) :; return ;;
+                --set) :; return ;;
+                --batch) :; return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--model --root --block-tokens --engine-arg --engine-args --set --dry-run --skip-bad --batch --json --help" -- "$cur"))
+            else
+                COMPREPLY=($(compgen -d -- "$cur"))
             fi
             ;;
     esac

@@ -25,7 +25,10 @@ import numpy as np
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: F401
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
@@ -43,6 +46,7 @@ from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
     ReqContext,
     RequestOffloadingContext,
     TransferResult,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 
@@ -135,3 +139,34 @@ def route_logs() -> None:
     if vllm_logger.handlers:
         pykv_logger.setLevel(vllm_logger.level or logging.INFO)
         pykv_logger.propagate = False
+
+
+def prompt_block_hasher(vllm_config: Any):
+    """``hash(token_ids, tokens_per_hash) -> [block hash, ...]``: the chained prefix hashes vLLM
+    gives a plain prompt (no LoRA, multimodal input or cache salt), one per full block.
+
+    Uses this process's ``NONE_HASH``, which the engine sets when it starts (same
+    ``PYTHONHASHSEED``, same seed): call it only in a process that runs an engine.
+    ``hash_block_tokens`` and ``get_hash_fn_by_name`` are the same in 0.26 to 0.33.
+    """
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+
+    def hashes(token_ids: Any, tokens_per_hash: int) -> list[bytes]:
+        out: list[bytes] = []
+        parent = None
+        for start in range(0, len(token_ids) - tokens_per_hash + 1, tokens_per_hash):
+            parent = hash_block_tokens(hash_fn, parent, token_ids[start:start + tokens_per_hash], None)
+            out.append(parent)
+        return out
+    return hashes
+
+
+def scheduler_offloading_manager(llm: Any) -> Any:
+    """The ``OffloadingManager`` of an in-process engine's scheduler (``LLM`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None. Same attribute path in 0.26 to 0.33."""
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    return getattr(getattr(connector, "connector_scheduler", None), "manager", None)

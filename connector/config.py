@@ -83,6 +83,14 @@ def _root(value: Any, key: str) -> str:
     return value
 
 
+def _optional_path(value: Any, key: str) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str):
+        raise InputError(f"{PREFIX}.{key}: expected a file path, got {value!r}")
+    return value
+
+
 def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: str) -> Any:
     return field(default=default, metadata={"parse": parse, "doc": doc, "type": type_name})
 
@@ -99,6 +107,12 @@ class PykvConfig:
                           "I/O backend: io_uring when usable, else a preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
     dram_policy: str = _key(_choice("lru", "arc"), "lru", "DRAM tier replacement policy.", "str")
+    preload: bool = _key(_bool, True, "Read the stored blocks of requests still waiting in vLLM's queue into "
+                         "staging slots ahead of their scheduling.", "bool")
+    preload_look_ahead: int = _key(_positive_int, 8, "Waiting requests (oldest first) whose blocks are "
+                                   "preloaded at a time.", "int")
+    preload_max_bytes: int = _key(_size, "256M", "Staging memory per worker that preloaded blocks not yet "
+                                  "claimed by their request may hold.", "size")
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
     verify: str = _key(_choice("full", "header"), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
@@ -106,6 +120,10 @@ class PykvConfig:
                                        "stores pause this long; one warning per pause.", "duration")
     file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
     dir_mode: int = _key(_mode, "0700", "Permission bits of directories pykv creates.", "octal")
+    breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "
+                                      "than their tier's break-even length are refused (recomputed).", "path")
+    breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "
+                                    "differ from the engine's.", "bool")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # normalise defaults given in their written form
@@ -132,7 +150,8 @@ class PykvConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = f"{value:04o}" if f.metadata["type"] == "octal" else value
+            if value is not None:  # an unset optional key (breakeven_file) is left out
+                out[f.name] = f"{value:04o}" if f.metadata["type"] == "octal" else value
         return out
 
     def to_kv_transfer_config(self, model_block_size_tokens: int = 256) -> dict[str, Any]:

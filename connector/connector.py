@@ -13,6 +13,17 @@ asserts every transfer succeeded); this subclass adds one:
 - scheduler side: ``update_connector_output`` hands that report to ``PykvManager``
   before vLLM completes the jobs of the same step, so failed keys are forgotten
   before the request is looked up again.
+  With a break-even gate configured, ``get_num_new_matched_tokens`` first hands
+  the manager the request's block keys (built as vLLM builds them), so it can
+  refuse a load below the threshold before vLLM's chunk-by-chunk lookups run.
+
+Preloading (scheduler-aware, on stock vLLM): ``on_new_request`` hands each
+request's block keys (built as vLLM builds them) to ``PykvManager`` while the
+request enters the waiting queue; ``build_connector_meta`` attaches the manager's
+preload plan (req_id -> keys to read ahead, and requests to drop) to vLLM's
+metadata as ``PykvConnectorMetadata``; on the worker, ``start_load_kv`` first lets
+vLLM submit this step's loads (which claim blocks already preloaded) and then
+hands the drops and new preloads to ``PykvWorker``.
 
 It refuses to start unless ``kv_load_failure_policy`` is ``"recompute"``: with
 vLLM's default ``"fail"`` a corrupt cache file would fail the user's request.
@@ -27,7 +38,7 @@ from typing import Any
 from pykv.errors import InputError
 
 from pykv.connector import compat
-from pykv.connector.compat import OffloadingConnector, OffloadingWorkerMetadata
+from pykv.connector.compat import OffloadingConnector, OffloadingConnectorMetadata, OffloadingWorkerMetadata
 from pykv.connector.spec import WorkerReport
 
 
@@ -46,6 +57,25 @@ class PykvWorkerMetadata(OffloadingWorkerMetadata):
     def aggregate(self, other: Any) -> "PykvWorkerMetadata":
         merged = super().aggregate(other)
         return PykvWorkerMetadata.wrap(merged, self.report.merge(getattr(other, "report", None)))
+
+
+@dataclass
+class PykvConnectorMetadata(OffloadingConnectorMetadata):
+    """vLLM's scheduler -> worker metadata plus preload instructions.
+
+    ``preloads``: req_id -> block keys to read ahead for that waiting request.
+    ``released``: requests whose preloads the worker may drop.
+    """
+
+    preloads: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    released: tuple[str, ...] = ()
+
+    @classmethod
+    def wrap(cls, base: OffloadingConnectorMetadata, preloads: dict[str, tuple[bytes, ...]],
+             released: tuple[str, ...]) -> "PykvConnectorMetadata":
+        values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)
+                  if f.name not in ("preloads", "released")}
+        return cls(**values, preloads=dict(preloads), released=tuple(released))
 
 
 class PykvOffloadingConnector(OffloadingConnector):
@@ -112,6 +142,54 @@ class PykvOffloadingConnector(OffloadingConnector):
         return PykvWorkerMetadata.wrap(meta, report)
 
     # -- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if getattr(manager, "gate", None) is not None:  # break-even gate: show it the request's blocks first
+            groups = [(g.tokens_per_chunk, [compat.make_offload_key(h, g.group_idx) for h in
+                                            request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]])
+                      for g in self.connector_scheduler.config.kv_group_configs]
+            manager.gate_request(request.request_id, groups, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)
+
+    # -- preloading: scheduler side ------------------------------------------------------------------
+    def _preload_manager(self) -> Any:
+        manager = getattr(self.connector_scheduler, "manager", None) if self.connector_scheduler else None
+        return manager if getattr(manager, "preloads", None) is not None else None
+
+    def request_block_keys(self, request: Any) -> list[bytes]:
+        """The request's offload keys as vLLM builds them (``RequestOffloadState.update_offload_keys``),
+        chunk by chunk; with several KV groups, chunk i of every group before chunk i + 1."""
+        per_group = [[compat.make_offload_key(h, g.group_idx)
+                      for h in request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]]
+                     for g in self.connector_scheduler.config.kv_group_configs]
+        return [keys[i] for i in range(max(map(len, per_group), default=0)) for keys in per_group if i < len(keys)]
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        manager = self._preload_manager()
+        if manager is not None and not getattr(request, "skip_reading_prefix_cache", False):
+            manager.preload_candidate(request.request_id, self.request_block_keys(request))
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        manager = self._preload_manager()
+        if manager is None or not isinstance(meta, OffloadingConnectorMetadata):
+            return meta
+        plan = manager.take_preload_plan()
+        if not plan:
+            return meta
+        return PykvConnectorMetadata.wrap(meta, plan.preloads, plan.released)
+
+    # -- preloading: worker side ------------------------------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)  # this step's loads claim what is preloaded
+        meta = self._connector_metadata
+        worker = self._pykv_worker
+        if isinstance(meta, PykvConnectorMetadata) and worker is not None:
+            worker.release_preloads(meta.released)
+            worker.submit_preloads(meta.preloads)
+
+    # -- scheduler side: worker feedback -------------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PykvWorkerMetadata) and meta.report and self.connector_scheduler is not None:

@@ -20,6 +20,8 @@ import time
 from collections import Counter
 from typing import Collection
 
+from pykv.calibration import BreakEvenGate
+from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.tiers import DramIndex
 from pykv.tree import KVTree, TreeOptions
 
@@ -33,7 +35,7 @@ from pykv.connector.compat import (
     RequestOffloadingContext,
 )
 from pykv.connector.config import PykvConfig
-from pykv.connector.layout import namespace_for, slot_counts
+from pykv.connector.layout import namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
 from pykv.connector.statsfile import StatsFile
 
@@ -56,17 +58,41 @@ class PykvManager(OffloadingManager):
         self.dram = DramIndex(dram_slots, pykv.dram_policy)
         self._pending_stores: set[bytes] = set()
         self._stores_paused_until = 0.0
+        self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
+            if pykv.preload else None
         self.counters: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
         self._stats_file = StatsFile("scheduler")
+        self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
+            pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
+            setting="kv_connector_extra_config.breakeven_file")
+        self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
         log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", pykv.root, self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
 
     # -- lookups and loads ---------------------------------------------------------------------
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        if self.dram.lookup(key) is not None or self.tree.contains(self.namespace.id, key):
-            return LookupResult.HIT
-        return LookupResult.MISS
+        if self._gate_refused is not None and req_context.req_id == self._gate_refused:
+            return LookupResult.MISS
+        return LookupResult.MISS if self._tier_of(key) is None else LookupResult.HIT
+
+    def _tier_of(self, key: bytes) -> str | None:
+        if self.dram.lookup(key) is not None:
+            return "dram"
+        return "disk" if self.tree.contains(self.namespace.id, key) else None
+
+    def gate_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
+        """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
+        below its tier's break-even length; ``lookup`` then answers MISS for it and vLLM recomputes."""
+        self._gate_refused = None
+        if self.gate is None:
+            return
+        decision = self.gate.decide(groups, num_computed_tokens, self._tier_of)
+        if not decision.admitted:
+            self._gate_refused = req_id
+            self.counters[Metric.GATE_REFUSALS] += 1
+            self.counters[Metric.GATE_REFUSED_TOKENS] += decision.hit_tokens
+            self._write_stats()
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
         """DRAM hits are pinned and served from their slot; disk hits get their atime stamped
@@ -86,12 +112,15 @@ class PykvManager(OffloadingManager):
             slot = self._promotion_slot(key)
             slots.append(slot)
             resident.append(False)
+        self._preload_done(req_context.req_id)
         self._write_stats()
-        return PykvLoadSpec(list(keys), slots, resident)
+        return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
 
     def _promotion_slot(self, key: bytes) -> int:
         if self.dram.capacity == 0 or key in self.dram:
             return NO_SLOT
+        if self.preloads is not None and self.preloads.holds(key):
+            return NO_SLOT  # the worker serves it from the preloaded staging slot
         slot = self.dram.allocate(key)
         if slot is None:
             return NO_SLOT
@@ -162,6 +191,35 @@ class PykvManager(OffloadingManager):
             log.warning("pykv: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
                         self.pykv.root, report.store_error, self.pykv.store_retry_interval)
         self._write_stats()
+
+    # -- preloading (connector hooks; see pykv.preload) ------------------------------------------
+    def preload_candidate(self, req_id: str, keys: list[bytes]) -> None:
+        """A request entered vLLM's waiting queue with these block keys (in order)."""
+        if self.preloads is not None:
+            self.preloads.waiting(req_id, keys)
+
+    def take_preload_plan(self) -> PreloadPlan:
+        """Once per scheduler step: blocks to read ahead for waiting requests, requests to drop."""
+        if self.preloads is None:
+            return PreloadPlan()
+        plan = self.preloads.plan(self._tier_of)
+        if plan.preloads:
+            self.counters[Metric.PRELOAD_REQUESTS] += len(plan.preloads)
+            self.counters[Metric.PRELOAD_BLOCKS] += sum(len(keys) for keys in plan.preloads.values())
+            self._write_stats()
+        return plan
+
+    def on_schedule_end(self, context) -> None:
+        for req_id in getattr(context, "new_req_ids", ()):
+            self._preload_done(req_id)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._preload_done(req_context.req_id)
+
+    def _preload_done(self, req_id: str) -> None:
+        """The request left the waiting queue (scheduled, loading, finished, aborted)."""
+        if self.preloads is not None:
+            self.preloads.remove(req_id)
 
     # -- vLLM bookkeeping ----------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

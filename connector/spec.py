@@ -33,13 +33,16 @@ class PykvLoadSpec(LoadStoreSpec):
 
     ``dram_slots[i]``: DRAM slot of key i or ``NO_SLOT``; ``resident[i]``: the bytes
     already sit in that slot (a DRAM hit, no disk I/O) - otherwise the block is read
-    from disk (into the slot when one is given: a promotion).
+    from disk (into the slot when one is given: a promotion). ``req_id``: the request,
+    so the worker can serve blocks it preloaded for it (and drop its interest).
     """
 
-    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int] = (), resident: Sequence[bool] = ()):
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int] = (), resident: Sequence[bool] = (),
+                 req_id: str | None = None):
         self.keys = tuple(bytes(k) for k in keys)
         self.dram_slots = tuple(dram_slots) or (NO_SLOT,) * len(self.keys)
         self.resident = tuple(resident) or (False,) * len(self.keys)
+        self.req_id = req_id
         assert len(self.dram_slots) == len(self.keys) == len(self.resident)
 
     def __repr__(self) -> str:
@@ -67,6 +70,10 @@ class Metric:
     STORE_SKIPPED = "pykv:store_skipped"
     STORE_FAILURES = "pykv:store_failures"
     STORES_DISABLED = "pykv:stores_disabled"
+    GATE_REFUSALS = "pykv:gate_refusals"
+    GATE_REFUSED_TOKENS = "pykv:gate_refused_tokens"
+    PRELOAD_REQUESTS = "pykv:preload_requests"
+    PRELOAD_BLOCKS = "pykv:preload_blocks"
 
 
 METRIC_DOCS = {
@@ -76,6 +83,11 @@ METRIC_DOCS = {
     Metric.STORE_SKIPPED: "Storage blocks not stored because they were already on disk or being stored.",
     Metric.STORE_FAILURES: "Storage blocks whose store failed (disk full, read-only tree, ...).",
     Metric.STORES_DISABLED: "Storage blocks not stored because stores were paused after a store failure.",
+    Metric.GATE_REFUSALS: "Lookups whose load the break-even gate refused (prefix below the tier's threshold).",
+    Metric.GATE_REFUSED_TOKENS: "Tokens the break-even gate chose to recompute instead of loading.",
+    Metric.PRELOAD_REQUESTS: "Waiting requests whose stored blocks were sent to the workers to read ahead.",
+    Metric.PRELOAD_BLOCKS: "Storage blocks named in those read-ahead plans, per request (the workers read "
+                           "a block that several waiting requests share once).",
 }
 
 

@@ -71,6 +71,7 @@ class _Job:
     chunks: list[_Chunk]
     started: float = field(default_factory=time.monotonic)
     copy_failed: set[int] = field(default_factory=set)
+    ready: object = None  # the copier's marker: device work queued before the job (CUDA event)
 
 
 class PykvWorker(OffloadingWorker):
@@ -112,7 +113,8 @@ class PykvWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._stats_file = StatsFile(f"worker{self.rank}")
         self.reactor = Reactor(backend, self.pool, self.tree,
-                               config=ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct),
+                               config=ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct,
+                                                    max_speculative=pykv.preload_max_bytes // self.pool.slot_bytes),
                                sink=self, source=self, on_job_done=self._on_job_done)
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, backend.name,
@@ -128,11 +130,11 @@ class PykvWorker(OffloadingWorker):
             self._finish_now(job_id, load_failed_ids=[int(i) for i in compat.block_ids(dst_spec)],
                              failed_keys=list(src_spec.keys))
             return True
-        job = _Job(job_id, True, chunks)
+        job = _Job(job_id, True, chunks, ready=self.copier.mark_submitted())
         blocks = [LoadBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
                             self.layout.geometry(c.group), **self._slot_args(c)) for c in chunks]
         self.counters["load_jobs"] += 1
-        self._start(job, blocks)
+        self._start(job, blocks, owner=getattr(src_spec, "req_id", None))
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PykvStoreSpec) -> bool:
@@ -146,13 +148,31 @@ class PykvWorker(OffloadingWorker):
             self.counters["store_blocks_paused"] += len(chunks)
             self._finish_now(job_id, failed_stores=[(c.key, False) for c in chunks])
             return True
-        job = _Job(job_id, False, chunks)
+        job = _Job(job_id, False, chunks, ready=self.copier.mark_submitted())
         blocks = [StoreBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
                              self.layout.geometry(c.group), **({"slot": c.slot} if c.slot is not None else {}))
                   for c in chunks]
         self.counters["store_jobs"] += 1
         self._start(job, blocks)
         return True
+
+    # -- preloads (the connector hands them over from the scheduler's metadata) ----------------
+    def submit_preloads(self, plans: dict[str, tuple[bytes, ...]]) -> None:
+        """Read these blocks ahead for requests still waiting (req_id -> keys, in order).
+
+        Speculative: the reactor runs them after demand work, within its slot bounds; a
+        block wanted by several requests is read once. The request's load claims them.
+        """
+        for req_id, keys in plans.items():
+            blocks = [LoadBlock(self.tree.block_path(self.namespace.id, k), self.namespace.fingerprint, k)
+                      for k in keys]
+            self.counters["preload_blocks_planned"] += len(blocks)
+            self.reactor.submit_preload(req_id, blocks)
+
+    def release_preloads(self, req_ids) -> None:
+        """These requests left the waiting queue: blocks only they wanted free their slots."""
+        for req_id in req_ids:
+            self.reactor.release_preloads(req_id)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs done since the last call; their failures become reportable in this same step."""
@@ -226,11 +246,11 @@ class PykvWorker(OffloadingWorker):
     def _slot_args(chunk: _Chunk) -> dict:
         return {} if chunk.slot is None else {"slot": chunk.slot, "resident": chunk.resident}
 
-    def _start(self, job: _Job, blocks: list) -> None:
+    def _start(self, job: _Job, blocks: list, owner: str | None = None) -> None:
         with self._lock:
             self._jobs[job.job_id] = job
         if job.is_load:
-            self.reactor.submit_load(job.job_id, blocks)
+            self.reactor.submit_load(job.job_id, blocks, owner=owner)
         else:
             self.reactor.submit_store(job.job_id, blocks)
 
@@ -250,7 +270,8 @@ class PykvWorker(OffloadingWorker):
     def fill(self, requests: list[FillRequest]) -> None:
         for r in requests:
             chunk = self._jobs[r.job].chunks[r.index]
-            task = CopyTask(self._payload(r.slot, r.length), chunk.group, chunk.gpu_ids, 0, token=r)
+            task = CopyTask(self._payload(r.slot, r.length), chunk.group, chunk.gpu_ids, 0, token=r,
+                            after=self._jobs[r.job].ready)
             self.copier.to_slots([task], self._filled)
 
     def _filled(self, task: CopyTask, ok: bool) -> None:
@@ -264,7 +285,7 @@ class PykvWorker(OffloadingWorker):
         for b in blocks:
             chunk = self._jobs[b.job].chunks[b.index]
             tasks.append(CopyTask(self._payload(b.slot, b.header.payload_length), chunk.group, chunk.gpu_ids,
-                                  chunk.skip, token=b))
+                                  chunk.skip, token=b, after=self._jobs[b.job].ready))
         self.copier.from_slots(tasks, self._delivered)
 
     def _delivered(self, task: CopyTask, ok: bool) -> None:
@@ -335,4 +356,4 @@ class PykvWorker(OffloadingWorker):
     def _write_stats(self) -> None:
         with self._lock:
             in_flight = len(self._jobs) + len(self._finished)
-        self._stats_file.write({**self.counters, "jobs_in_flight": in_flight})
+        self._stats_file.write({**self.counters, **self.reactor.stats, "jobs_in_flight": in_flight})

@@ -146,6 +146,8 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
         raise FormatError(path, f"bad block key length {key_length}")
     if payload_length != segments * segment_bytes:
         raise FormatError(path, f"payload length {payload_length} != {segments} x {segment_bytes}")
+    if any(bytes(data[_CHECKED_BYTES + _CHECKSUM.size:HEADER_SIZE])):
+        raise FormatError(path, "reserved header bytes are not zero")
     return BlockHeader(namespace=namespace, key=key[:key_length],
                        geometry=Geometry(tokens, segments, segment_bytes),
                        payload_checksum=checksum, created_ns=created_ns, version=version)

@@ -4,9 +4,11 @@ A pure state machine (no I/O, no threads, no clocks) driven by events from the
 reactor and answering with actions for it to carry out. Each transfer moves one
 storage block:
 
-    load/preload:  QUEUED -> OPENING -> OPENED -> READING -> READY -> DELIVERED -> DONE
-    store:         QUEUED -> FILLING -> FILLED -> WRITING -> DONE
-    any stage      -> FAILED (or CANCELLED); a held slot is released on the way
+    load:     QUEUED -> OPENING -> OPENED -> READING -> READY -> DELIVERED -> DONE
+    preload:  QUEUED -> OPENING -> OPENED -> READING -> READY (holds its slot) -> DONE when released
+    joined:   JOINED (a load waiting on a preload's read) -> READY -> DELIVERED -> DONE
+    store:    QUEUED -> FILLING -> FILLED -> WRITING -> DONE
+    any stage -> FAILED (or CANCELLED); a held slot is released on the way
 
 Rules:
 - Bounds: at most ``io_depth`` reads and writes in flight; at most ``open_ahead``
@@ -14,9 +16,21 @@ Rules:
   so a request larger than the pool proceeds slot by slot.
 - Priority when granting I/O and slots: ready demand reads (opened loads), then
   new demand loads and stores, then speculative preloads.
-- Preloads: at most one speculative preload is active at a time, and it takes a
-  slot only while more than ``io_depth`` slots stay free (foreground keeps as
-  many slots as the I/O depth).
+- Preloads (speculative reads for requests still waiting; paper section 6.5):
+  at most one speculative preload opens or reads at a time; it takes a slot only
+  while more than ``io_depth`` slots stay free (the foreground keeps as many
+  slots as the I/O depth) and while preloads hold fewer than ``max_speculative``
+  slots. Preloads read into ledger slots only, never a DRAM-tier slot, so they
+  cannot evict DRAM entries. A READY preload keeps its slot until ``release``.
+- Claims: a demand load of a block being preloaded ``claim``s the preload
+  instead of reading the file again. A READY preload is shared at once (the
+  load takes a reference on its slot and is delivered in the next batch); a
+  preload still in I/O is joined (the load is delivered when the read
+  completes); a preload not yet reading is promoted to demand priority (its
+  speculative turn is cancelled and it is re-queued with the demand work).
+  Several loads may claim one preload: one read, one ref-counted slot.
+- Demand work (a read, a store's fill) that finds no free slot reclaims the slot
+  of the youngest READY preload nobody is using.
 - All loads that became ready in one step are delivered as one batch.
 - A transfer may bring its own slot (a DRAM-tier slot outside the ledger): it then
   takes none from the ledger and gives none back; a resident load (bytes already
@@ -45,6 +59,7 @@ class Stage(enum.Enum):
     OPENED = "opened"
     READING = "reading"
     READY = "ready"
+    JOINED = "joined"
     DELIVERED = "delivered"
     FILLING = "filling"
     FILLED = "filled"
@@ -56,6 +71,8 @@ class Stage(enum.Enum):
 
 _FINAL = {Stage.DONE, Stage.FAILED, Stage.CANCELLED}
 _READ_WINDOW = {Stage.OPENING, Stage.OPENED}
+_SPECULATIVE_IO = {Stage.OPENING, Stage.OPENED, Stage.READING}
+_CLAIMABLE = {Stage.QUEUED, Stage.OPENING, Stage.OPENED, Stage.READING, Stage.READY}
 
 
 @dataclass
@@ -67,7 +84,10 @@ class Transfer:
     stage: Stage = Stage.QUEUED
     slot: int | None = None
     order: int = 0
-    owns_slot: bool = False  # True when the slot came from the ledger (and goes back to it)
+    owns_slot: bool = False  # True when the transfer holds a ledger reference on its slot
+    claimed: bool = False  # preload: a demand load waits on it (demand priority from now on)
+    released: bool = False  # preload: nobody wants it any more; it ends once its I/O is done
+    source: int | None = None  # joined load: the preload whose read it waits for
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -121,6 +141,7 @@ class ReactorPolicy:
     ledger: SlotLedger
     io_depth: int
     open_ahead: int
+    max_speculative: int | None = None  # slots preloads may hold together (None: no limit of its own)
     _transfers: dict[int, Transfer] = field(default_factory=dict)
     _order: itertools.count = field(default_factory=itertools.count)
     _pending: list[Action] = field(default_factory=list)
@@ -128,6 +149,8 @@ class ReactorPolicy:
     def __post_init__(self) -> None:
         if self.io_depth < 1 or self.open_ahead < 1:
             raise ValueError("io_depth and open_ahead must be >= 1")
+        if self.max_speculative is not None and self.max_speculative < 0:
+            raise ValueError("max_speculative must be >= 0")
 
     # -- events ------------------------------------------------------------------------------
     def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, resident: bool = False) -> None:
@@ -141,22 +164,33 @@ class ReactorPolicy:
             raise ValueError(f"transfer {transfer_id} already exists")
         if resident and (slot is None or kind is Kind.STORE):
             raise ValueError("a resident transfer is a load with a slot")
+        if kind is Kind.PRELOAD and slot is not None:
+            raise ValueError("a preload reads into a staging slot of the ledger, never a caller's slot")
         stage = Stage.READY if resident else Stage.QUEUED
         self._transfers[transfer_id] = Transfer(transfer_id, kind, stage, slot, next(self._order))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)
-        if ok:
+        if ok and t.released and not t.claimed:
+            self._end(t, ok=True, stage=Stage.CANCELLED)  # released while opening: never read
+        elif ok:
             t.stage = Stage.OPENED
         else:
+            self._requeue_joined(t)
             self._end(t, ok=False)
 
     def read_done(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.READING)
-        if ok:
-            t.stage = Stage.READY
-        else:
+        if not ok:
+            self._requeue_joined(t)
             self._end(t, ok=False)
+            return
+        t.stage = Stage.READY
+        if t.kind is Kind.PRELOAD:
+            for load in self._joined(t.id):
+                self._share(t, load)
+            if t.released:
+                self._end(t, ok=True)
 
     def consumed(self, transfer_id: int) -> None:
         """The consumer finished with a delivered slot (e.g. its device copy completed)."""
@@ -177,8 +211,45 @@ class ReactorPolicy:
         t = self._transfers.get(transfer_id)
         if t is None or t.stage in (Stage.OPENING, Stage.READING, Stage.FILLING, Stage.WRITING, Stage.DELIVERED):
             return False
+        self._requeue_joined(t)
         self._end(t, ok=False, stage=Stage.CANCELLED)
         return True
+
+    def claim(self, preload_id: int, load_id: int) -> bool:
+        """Serve new demand load ``load_id`` from preload ``preload_id`` instead of a second read.
+
+        READY preload: the load shares its slot (one more reference) and is delivered in the
+        next batch. Preload in I/O: the load joins it (JOINED until the read completes).
+        Preload not yet reading: additionally promoted to demand priority. False when the
+        preload is gone (released and freed, reclaimed, failed): then add the load as usual.
+        A released preload still in I/O can be claimed (its read is not wasted then).
+        """
+        p = self._transfers.get(preload_id)
+        if p is None or p.kind is not Kind.PRELOAD or p.stage not in _CLAIMABLE:
+            return False
+        if load_id in self._transfers:
+            raise ValueError(f"transfer {load_id} already exists")
+        load = Transfer(load_id, Kind.LOAD, Stage.JOINED, order=next(self._order), source=p.id)
+        self._transfers[load_id] = load
+        if p.stage is Stage.READY:
+            self._share(p, load)
+        else:
+            p.claimed = True
+        return True
+
+    def release(self, preload_id: int) -> None:
+        """Nobody waits for this preload any more: free its slot now, or once its I/O completes.
+
+        Loads that already claimed it keep their own reference to the slot.
+        """
+        p = self._transfers.get(preload_id)
+        if p is None or p.kind is not Kind.PRELOAD:
+            return
+        p.released = True
+        if p.stage in (Stage.QUEUED, Stage.OPENED) and not p.claimed:
+            self._end(p, ok=True, stage=Stage.CANCELLED)
+        elif p.stage is Stage.READY:
+            self._end(p, ok=True)
 
     # -- decisions ---------------------------------------------------------------------------
     def step(self) -> list[Action]:
@@ -187,9 +258,9 @@ class ReactorPolicy:
         io_used = self._count(Stage.READING, Stage.WRITING)
         window = self._count(*_READ_WINDOW, kinds=(Kind.LOAD, Kind.PRELOAD))
 
-        # 1. ready demand reads: opened demand loads get I/O and a slot first
-        for t in self._in(Stage.OPENED, Kind.LOAD):
-            if io_used >= self.io_depth or not self._take_slot(t):
+        # 1. ready demand reads: opened demand loads (and claimed preloads) get I/O and a slot first
+        for t in self._in(Stage.OPENED, demand=True):
+            if io_used >= self.io_depth or not self._take_slot(t, reclaim=True):
                 break
             t.stage = Stage.READING
             io_used += 1
@@ -202,11 +273,11 @@ class ReactorPolicy:
             io_used += 1
             actions.append(Write(t.id, t.slot))
         for t in self._in(Stage.QUEUED, Kind.STORE):
-            if not self._take_slot(t):
+            if not self._take_slot(t, reclaim=True):
                 break
             t.stage = Stage.FILLING
             actions.append(Fill(t.id, t.slot))
-        for t in self._in(Stage.QUEUED, Kind.LOAD):
+        for t in self._in(Stage.QUEUED, demand=True):
             if window >= self.open_ahead:
                 break
             t.stage = Stage.OPENING
@@ -214,13 +285,13 @@ class ReactorPolicy:
             actions.append(Open(t.id))
         # 3. speculative preloads: one at a time, never from the foreground's reserve
         if not self._speculating():
-            for t in self._in(Stage.QUEUED, Kind.PRELOAD):
+            for t in self._in(Stage.QUEUED, demand=False):
                 if window < self.open_ahead:
                     t.stage = Stage.OPENING
                     actions.append(Open(t.id))
                 break
-        for t in self._in(Stage.OPENED, Kind.PRELOAD):
-            if io_used < self.io_depth and (t.slot is not None or self.ledger.free > self.io_depth):
+        for t in self._in(Stage.OPENED, demand=False):
+            if io_used < self.io_depth and self._may_speculate():
                 self._take_slot(t)
                 t.stage = Stage.READING
                 io_used += 1
@@ -246,22 +317,71 @@ class ReactorPolicy:
         """Transfers not yet finished."""
         return len(self._transfers)
 
+    @property
+    def speculative_slots(self) -> int:
+        """Slots held by preloads (reading or READY), claimed or not."""
+        return sum(1 for t in self._transfers.values() if t.kind is Kind.PRELOAD and t.owns_slot)
+
     # -- internals ---------------------------------------------------------------------------
-    def _take_slot(self, t: Transfer) -> bool:
-        """Give ``t`` a slot from the ledger unless it brought its own; False if none is free."""
+    def _take_slot(self, t: Transfer, *, reclaim: bool = False) -> bool:
+        """Give ``t`` a slot from the ledger unless it brought its own; False if none is free.
+
+        ``reclaim`` (demand work only): when none is free, end the youngest READY preload
+        that nobody is using and take its slot.
+        """
         if t.slot is not None:
             return True
         slot = self.ledger.acquire()
+        if slot is None and reclaim and self._reclaim():
+            slot = self.ledger.acquire()
         if slot is None:
             return False
         t.slot, t.owns_slot = slot, True
         return True
 
-    def _speculating(self) -> bool:
-        return any(t.kind is Kind.PRELOAD and t.stage is not Stage.QUEUED for t in self._transfers.values())
+    def _reclaim(self) -> bool:
+        idle = [t for t in self._transfers.values()
+                if t.kind is Kind.PRELOAD and t.stage is Stage.READY and t.owns_slot
+                and self.ledger.refs(t.slot) == 1]
+        if not idle:
+            return False
+        self._end(max(idle, key=lambda t: t.order), ok=False, stage=Stage.CANCELLED)
+        return True
 
-    def _in(self, stage: Stage, kind: Kind) -> Iterable[Transfer]:
-        matches = [t for t in self._transfers.values() if t.stage is stage and t.kind is kind]
+    def _speculating(self) -> bool:
+        """A speculative preload (not claimed) is opening or reading."""
+        return any(t.kind is Kind.PRELOAD and not t.claimed and t.stage in _SPECULATIVE_IO
+                   for t in self._transfers.values())
+
+    def _may_speculate(self) -> bool:
+        if self.ledger.free <= self.io_depth:
+            return False
+        return self.max_speculative is None or self.speculative_slots < self.max_speculative
+
+    def _share(self, preload: Transfer, load: Transfer) -> None:
+        """``load`` delivers from ``preload``'s slot, holding its own reference to it."""
+        self.ledger.retain(preload.slot)
+        load.slot, load.owns_slot, load.stage, load.source = preload.slot, True, Stage.READY, None
+
+    def _joined(self, preload_id: int) -> list[Transfer]:
+        return sorted((t for t in self._transfers.values() if t.stage is Stage.JOINED and t.source == preload_id),
+                      key=lambda t: t.order)
+
+    def _requeue_joined(self, preload: Transfer) -> None:
+        """The preload will not deliver: loads waiting on it read the file themselves."""
+        for load in self._joined(preload.id):
+            load.stage, load.source = Stage.QUEUED, None
+
+    def _demand(self, t: Transfer) -> bool:
+        return t.kind is Kind.LOAD or (t.kind is Kind.PRELOAD and t.claimed)
+
+    def _in(self, stage: Stage, kind: Kind | None = None, *, demand: bool | None = None) -> Iterable[Transfer]:
+        """Transfers in ``stage`` in FIFO order: of ``kind``, or loads/preloads by ``demand``."""
+        if kind is not None:
+            matches = [t for t in self._transfers.values() if t.stage is stage and t.kind is kind]
+        else:
+            matches = [t for t in self._transfers.values() if t.stage is stage and t.kind is not Kind.STORE
+                       and self._demand(t) is demand]
         return sorted(matches, key=lambda t: t.order)
 
     def _count(self, *stages: Stage, kinds: tuple[Kind, ...] = tuple(Kind)) -> int:

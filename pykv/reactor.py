@@ -7,6 +7,13 @@ hands every block that became ready in one iteration to the ``LoadSink`` as one
 batch. Stores run the other way: the ``StoreSource`` fills a slot, the reactor
 writes header and payload to a temp file with O_DIRECT and publishes it.
 The decisions live in ``ReactorPolicy``; this module is the mechanics.
+
+Preloads: ``submit_preload(owner, blocks)`` reads blocks ahead for a request
+that still waits (``owner``); one preload per file however many owners want it.
+A later ``submit_load(..., owner=...)`` of the same file claims the preload
+(shares its slot or joins its read) instead of reading it again;
+``release_preloads(owner)`` drops the owner's interest, and a preload nobody
+wants any more frees its slot. ``stats`` counts reads, claims and waste.
 """
 
 from __future__ import annotations
@@ -17,14 +24,16 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 from pykv.errors import FormatError
 from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, verify_payload
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
-from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
+from pykv.io.openat2 import RESOLVE_NO_SYMLINKS
+from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Stage, Write
 from pykv.staging import StagingPool
 from pykv.tree import KVTree
 
@@ -112,6 +121,7 @@ class _Job:
     result: JobResult
     remaining: int
     started: float
+    internal: bool = False  # a preload's own job: never reported to clients
 
 
 @dataclass
@@ -125,6 +135,9 @@ class _Transfer:
     expected: int = 0
     temp: Path | None = None
     header: BlockHeader | None = None
+    owners: set | None = None  # preload: the waiting requests that still want it (None: not a preload)
+    claims: int = 0  # preload: demand loads it served
+    read_ok: bool = False  # the block was read and verified
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,18 @@ class ReactorConfig:
     open_ahead: int = 32
     verify: str = "full"  # "full": header and payload checksum; "header": header only
     direct: bool = True
+    max_speculative: int | None = None  # slots preloads may hold together (None: the policy's other bounds)
+
+
+STATS = ("disk_reads", "disk_read_bytes", "delivered_blocks", "delivered_bytes", "preloads_submitted",
+         "preloads_started", "preloads_claimed", "preloads_joined", "preloads_reclaimed", "preloads_failed",
+         "preload_wasted_bytes", "slots_high", "preload_slots_high")
+"""``Reactor.stats`` counters: ``disk_reads`` block reads started (demand and preload) and
+``disk_read_bytes`` their bytes; ``delivered_*`` blocks handed to the sink; ``preloads_started``
+preload reads started; ``preloads_claimed`` demand loads served by a preload (``preloads_joined``
+of them while its read was in flight); ``preloads_reclaimed`` READY preloads whose slot demand
+took; ``preload_wasted_bytes`` bytes preloaded and never claimed; ``slots_high`` /
+``preload_slots_high`` the most ledger slots held at once, by anyone / by preloads."""
 
 
 class Reactor:
@@ -146,8 +171,13 @@ class Reactor:
             raise ValueError(f"verify must be 'full' or 'header', got {self.config.verify!r}")
         self.backend, self.pool, self.tree = backend, pool, tree
         self.sink, self.source, self.on_job_done = sink, source, on_job_done
-        self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead)
+        self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
+                                    max_speculative=self.config.max_speculative)
+        self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
+        self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
         self._direct = os.O_DIRECT if self.config.direct else 0
+        self._root_prefix = os.path.join(os.fspath(tree.root), "")
+        self._real_root_prefix = os.path.join(os.path.realpath(tree.root), "")  # symlinks above the root are fine
         self._transfers: dict[int, _Transfer] = {}
         self._next_id = 0
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -158,9 +188,23 @@ class Reactor:
         self._thread.start()
 
     # -- client API (any thread) -----------------------------------------------------------
-    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, preload: bool = False) -> None:
-        kind = Kind.PRELOAD if preload else Kind.LOAD
-        self._post(lambda: self._add_job(job, kind, blocks))
+    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, owner: Hashable | None = None) -> None:
+        """Load ``blocks``; a block being preloaded is served by its preload (one read).
+        ``owner``: the request the job belongs to; its interest in those preloads ends."""
+        self._post(lambda: self._add_job(job, Kind.LOAD, blocks, owner=owner))
+
+    def submit_preload(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
+        """Read ``blocks`` ahead into staging slots for ``owner`` (a request still waiting).
+
+        Speculative work: it runs after all demand work, one read at a time, within the
+        policy's slot bounds, and is never reported as a job. A block already preloaded
+        gains ``owner`` as one more interested party (one read, one slot).
+        """
+        self._post(lambda: self._add_preloads(owner, blocks))
+
+    def release_preloads(self, owner: Hashable) -> None:
+        """``owner`` no longer needs its preloads (scheduled, finished or aborted)."""
+        self._post(lambda: self._release_preloads(owner))
 
     def submit_store(self, job: object, blocks: Sequence[StoreBlock]) -> None:
         self._post(lambda: self._add_job(job, Kind.STORE, blocks))
@@ -213,6 +257,7 @@ class Reactor:
             while self._inbox:
                 self._inbox.popleft()()
             self._perform(self.policy.step())
+            self._note_high_water()
             if self._stopping and self.backend.in_flight == 0 and not self._inbox:
                 return
             if self._inbox:
@@ -220,26 +265,87 @@ class Reactor:
             for completion in self.backend.wait(min_completions=1, timeout=None if not self._stopping else 0.05):
                 self._complete(completion)
 
-    def _add_job(self, job: object, kind: Kind, blocks: Sequence[LoadBlock | StoreBlock]) -> None:
+    def _add_job(self, job: object, kind: Kind, blocks: Sequence[LoadBlock | StoreBlock],
+                 owner: Hashable | None = None) -> None:
         state = _Job(JobResult(job, kind, len(blocks)), len(blocks), time.monotonic())
         if not blocks:
             self._finish_job(state)
         for index, block in enumerate(blocks):
             self._next_id += 1
             self._transfers[self._next_id] = _Transfer(state, index, block)
+            if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
+                continue
             resident = isinstance(block, LoadBlock) and block.resident
             self.policy.add(self._next_id, kind, slot=block.slot, resident=resident)
+
+    # -- preloads --------------------------------------------------------------------------------
+    def _add_preloads(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
+        for block in blocks:
+            if block.slot is not None or block.resident:
+                raise ValueError(f"{block.path}: a preload reads into a staging slot, not a caller's slot")
+            path = os.fspath(block.path)
+            tid = self._preloads.get(path)
+            if tid is not None:
+                self._transfers[tid].owners.add(owner)
+                continue
+            self._next_id += 1
+            job = _Job(JobResult(("preload", path), Kind.PRELOAD, 1), 1, time.monotonic(), internal=True)
+            self._transfers[self._next_id] = _Transfer(job, 0, block, owners={owner})
+            self._preloads[path] = self._next_id
+            self.policy.add(self._next_id, Kind.PRELOAD)
+            self.stats["preloads_submitted"] += 1
+
+    def _release_preloads(self, owner: Hashable) -> None:
+        for tid in list(self._preloads.values()):
+            owners = self._transfers[tid].owners
+            if owner in owners:
+                owners.discard(owner)
+                if not owners:
+                    self.policy.release(tid)
+
+    def _claim(self, tid: int, block: LoadBlock, owner: Hashable | None) -> bool:
+        """Serve load transfer ``tid`` from a live preload of the same file, if there is one.
+        A load into its own (DRAM-tier) slot reads the file itself."""
+        if block.slot is not None:
+            return False
+        preload = self._preloads.get(os.fspath(block.path))
+        if preload is None:
+            return False
+        in_flight = self.policy.stage(preload) is not Stage.READY
+        if not self.policy.claim(preload, tid):
+            return False
+        p = self._transfers[preload]
+        p.claims += 1
+        self.stats["preloads_claimed"] += 1
+        self.stats["preloads_joined"] += in_flight
+        if owner is not None and owner in p.owners:
+            p.owners.discard(owner)
+            if not p.owners:
+                self.policy.release(preload)
+        return True
+
+    def _note_high_water(self) -> None:
+        ledger = self.pool.ledger
+        held = ledger.num_slots - ledger.reserved - ledger.free
+        if held > self.stats["slots_high"]:
+            self.stats["slots_high"] = held
+        if self._preloads:
+            speculative = self.policy.speculative_slots
+            if speculative > self.stats["preload_slots_high"]:
+                self.stats["preload_slots_high"] = speculative
 
     def _perform(self, actions: list) -> None:
         requests: list[IoRequest] = []
         for action in actions:
             if isinstance(action, Open):
                 t = self._transfers[action.transfer]
-                requests.append(IoRequest(OpKind.OPEN, ("open", action.transfer), path=os.fsencode(t.block.path),
+                requests.append(IoRequest(OpKind.OPEN, ("open", action.transfer), **self._open_path(t.block.path),
                                           flags=READ_FLAGS | self._direct))
             elif isinstance(action, Read):
                 t = self._transfers[action.transfer]
                 t.slot = action.slot
+                self.stats["disk_reads"] += 1
+                self.stats["preloads_started"] += t.owners is not None
                 requests.append(self._read_request(action.transfer, t))
             elif isinstance(action, Fill):
                 self._request_fill(action)
@@ -301,6 +407,7 @@ class Reactor:
                 if t.header is None and t.done >= HEADER_SIZE:
                     t.header = self._check_header(t)
                     t.expected = t.header.file_size
+                    self._check_size(t)
                 if result > 0 and (t.header is None or t.done < t.expected):
                     self.backend.submit([self._read_request(tid, t)])  # short read: continue
                     return
@@ -312,9 +419,11 @@ class Reactor:
             except FormatError as exc:
                 error = exc.reason
         self._close(t)
+        self.stats["disk_read_bytes"] += t.done
         if error:
             self._fail(t, error)
         else:
+            t.read_ok = True
             t.job.result.bytes += t.expected
         self.policy.read_done(tid, ok=error is None)
 
@@ -331,11 +440,18 @@ class Reactor:
             raise FormatError(block.path, f"block of {header.file_size} bytes exceeds the slot size")
         return header
 
+    def _check_size(self, t: _Transfer) -> None:
+        """The file must be exactly as long as its header says (an fstat: no I/O)."""
+        size = os.fstat(t.fd).st_size
+        if size != t.expected:
+            kind = "truncated" if size < t.expected else "oversized"
+            raise FormatError(t.block.path, f"{kind}: {size} bytes, header says {t.expected}")
+
     def _deliver(self, action: Deliver) -> None:
         batch = []
         for tid, slot in action.blocks:
             t = self._transfers[tid]
-            if t.header is None:  # resident (DRAM-tier) block: check what the slot holds
+            if t.header is None:  # resident (DRAM-tier) or preloaded block: check what the slot holds
                 t.slot = slot
                 try:
                     t.header = self._check_header(t)
@@ -345,6 +461,8 @@ class Reactor:
                     continue
                 t.job.result.bytes += t.header.file_size
             batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header))
+            self.stats["delivered_blocks"] += 1
+            self.stats["delivered_bytes"] += t.header.file_size
         if not batch:
             return
         if self.sink is None:
@@ -386,8 +504,17 @@ class Reactor:
             self.policy.written(tid, ok=False)
             return None
         t.temp = self.tree.temp_path(block.path)
-        return IoRequest(OpKind.OPEN, ("wopen", tid), path=os.fsencode(t.temp), flags=WRITE_FLAGS | self._direct,
+        return IoRequest(OpKind.OPEN, ("wopen", tid), **self._open_path(t.temp), flags=WRITE_FLAGS | self._direct,
                          mode=self.tree.options.file_mode)
+
+    def _open_path(self, path: Path) -> dict:
+        """Path and resolve flags of an open: a file in the tree is opened under the tree's real
+        root with RESOLVE_NO_SYMLINKS, so a symlink planted anywhere below the root fails (ELOOP)."""
+        text = os.fspath(path)
+        if text.startswith(self._root_prefix):
+            return {"path": os.fsencode(self._real_root_prefix + text[len(self._root_prefix):]),
+                    "resolve": RESOLVE_NO_SYMLINKS}
+        return {"path": os.fsencode(text)}  # not a tree file (tools): O_NOFOLLOW on the last name only
 
     def _zero_padding(self, t: _Transfer) -> None:
         start = HEADER_SIZE + t.header.payload_length
@@ -461,11 +588,26 @@ class Reactor:
         t = self._transfers.pop(action.transfer)
         if t.fd >= 0:
             self._close(t)
+        if t.owners is not None:
+            self._preload_ended(action.transfer, t, action.ok)
         t.job.remaining -= 1
         if t.job.remaining == 0:
             self._finish_job(t.job)
 
+    def _preload_ended(self, tid: int, t: _Transfer, ok: bool) -> None:
+        path = os.fspath(t.block.path)
+        if self._preloads.get(path) == tid:
+            del self._preloads[path]
+        if t.read_ok and not t.claims:
+            self.stats["preload_wasted_bytes"] += t.expected
+        if t.read_ok and not ok:
+            self.stats["preloads_reclaimed"] += 1
+        elif not t.read_ok and t.job.result.failed:
+            self.stats["preloads_failed"] += 1
+
     def _finish_job(self, job: _Job) -> None:
+        if job.internal:
+            return
         job.result.seconds = time.monotonic() - job.started
         if self.on_job_done is not None:
             self.on_job_done(job.result)  # the callback owns the result: nothing to keep

@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Iterator
 
 from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
+from pykv.io.openat2 import enter_directory
 from pykv.namespace import Namespace
 
 MARKER_NAME = "pykv-tree.json"
@@ -76,7 +78,7 @@ class KVTree:
         """Open an existing tree; raise ``NotATreeError`` naming what is wrong."""
         root = Path(root)
         if not root.is_dir():
-            raise NotATreeError(f"{root}: no such directory")
+            raise NotATreeError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
         marker = root / MARKER_NAME
         try:
             data = json.loads(marker.read_text())
@@ -109,6 +111,15 @@ class KVTree:
         """``<root>/.pykv``: catalog, quarantine and gc state."""
         return self.root / STATE_DIR
 
+    def ensure_state_dir(self) -> Path:
+        """``state_dir``, created if missing; ``OSError`` (ELOOP) if a link or file stands there."""
+        try:
+            os.mkdir(self.state_dir, self.options.dir_mode)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(self.state_dir).st_mode):
+                raise OSError(errno.ELOOP, "not a directory (a planted link?)", str(self.state_dir)) from None
+        return self.state_dir
+
     # -- layout ---------------------------------------------------------------------------
     def namespace_dir(self, namespace_id: str) -> Path:
         _require_hex(namespace_id, "namespace id")
@@ -136,11 +147,32 @@ class KVTree:
         return directory
 
     def ensure_parent(self, path: Path) -> None:
-        """Create the namespace and shard directories above a block path (mode from options)."""
+        """Create the namespace and shard directories above a block path (mode from options).
+
+        Each directory is created and entered without following symlinks (a planted
+        symlink fails with ``ELOOP`` instead of sending the write elsewhere). A missing
+        namespace directory is created only while the root still holds the tree marker:
+        a tree deleted under a running engine, or a mount point whose filesystem went
+        away, is never silently filled again (``FileNotFoundError``).
+        """
         parent = path.parent
-        if not parent.is_dir():
-            for directory in (parent.parent.parent, parent.parent, parent):  # namespace, aa, bb
-                directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
+        if parent.is_dir():
+            return  # the common case; the serving path's open itself refuses symlinks (RESOLVE_NO_SYMLINKS)
+        names = (parent.parent.parent.name, parent.parent.name, parent.name)  # namespace, aa, bb
+        fd = os.open(parent.parent.parent.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # the root
+        try:
+            for depth, name in enumerate(names):
+                if depth == 0 and not _exists_at(fd, name) and not _exists_at(fd, MARKER_NAME):
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.root / MARKER_NAME))
+                try:
+                    os.mkdir(name, mode=self.options.dir_mode, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                fd, above = -1, fd
+                fd = enter_directory(above, name)  # closes ``above``, also when it raises
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     # -- lookup, publication, access --------------------------------------------------------
     def contains(self, namespace_id: str, key: bytes) -> bool:
@@ -178,8 +210,10 @@ class KVTree:
         A rename: symlinks move as links, never followed. Raises ``OSError``
         (``FileNotFoundError`` when someone removed it first).
         """
-        destination = self.state_dir / QUARANTINE_DIR / run / Path(path).relative_to(self.root)
-        destination.parent.mkdir(parents=True, exist_ok=True, mode=self.options.dir_mode)
+        destination = self.ensure_state_dir() / QUARANTINE_DIR / run / Path(path).relative_to(self.root)
+        missing = [d for d in destination.parents if not d.is_dir()]  # up to the root, which exists
+        for directory in reversed(missing):  # each with dir_mode (mkdir(parents=True) would use 0777)
+            directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
         os.rename(path, destination)
         return destination
 
@@ -189,6 +223,14 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
+
+
+def _exists_at(directory: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=directory, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _require_hex(value: str, what: str) -> None:

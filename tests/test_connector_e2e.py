@@ -48,8 +48,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0"}
 
 
-def start(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> tuple[subprocess.Popen, Path]:
-    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps}
+def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
+          engine: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """``engine``: extra ``vllm.LLM`` arguments (the driver's ``"engine"`` key)."""
+    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")

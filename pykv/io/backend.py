@@ -27,7 +27,8 @@ class OpKind(enum.Enum):
 class IoRequest:
     """One operation. ``token`` comes back unchanged in the completion.
 
-    OPEN uses ``path``, ``flags``, ``mode``; READ/WRITE use ``fd``, ``address``
+    OPEN uses ``path``, ``flags``, ``mode`` and ``resolve`` (openat2 RESOLVE_* flags, see
+    ``pykv.io.openat2``; 0 = plain openat); READ/WRITE use ``fd``, ``address``
     (a raw pointer into memory that outlives the operation), ``length`` and
     ``offset``; FSYNC and CLOSE use ``fd``.
     """
@@ -38,6 +39,7 @@ class IoRequest:
     path: bytes = b""
     flags: int = 0
     mode: int = 0
+    resolve: int = 0
     address: int = 0
     length: int = 0
     offset: int = 0

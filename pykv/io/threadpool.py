@@ -20,6 +20,7 @@ import time
 from typing import Sequence
 
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
+from pykv.io.openat2 import openat2
 
 _WAKE = object()  # marker put on the completion queue by ``wake``
 _STOP = object()  # marker that ends a worker
@@ -43,6 +44,8 @@ def _execute(request: IoRequest) -> int:
                 return os.pwritev(request.fd, [_memory(request.address, request.length)],
                                   request.offset)
             if op is OpKind.OPEN:
+                if request.resolve:
+                    return openat2(request.path, request.flags, request.mode, request.resolve)
                 return os.open(request.path, request.flags, request.mode)
             if op is OpKind.FSYNC:
                 os.fsync(request.fd)

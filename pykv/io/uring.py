@@ -37,6 +37,7 @@ from typing import Sequence
 
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
 from pykv.io.memory import buffer_address
+from pykv.io.openat2 import OPEN_HOW, open_how
 
 _SYS_IO_URING_SETUP = 425
 _SYS_IO_URING_ENTER = 426
@@ -44,6 +45,7 @@ _SYS_IO_URING_ENTER = 426
 # enum io_uring_op in <linux/io_uring.h>
 _OP_FSYNC = 3
 _OP_OPENAT = 18
+_OP_OPENAT2 = 28
 _OP_CLOSE = 19
 _OP_READ = 22
 _OP_WRITE = 23
@@ -310,7 +312,12 @@ def _prepare(request: IoRequest) -> tuple[tuple, object]:
         if b"\0" in path:
             raise ValueError(f"path contains a NUL byte: {path!r}")
         keep = ctypes.create_string_buffer(path)
-        fields = (_OP_OPENAT, _AT_FDCWD, 0, ctypes.addressof(keep), request.mode, request.flags)
+        if request.resolve:  # OPENAT2: addr = path, len = sizeof(open_how), off = &open_how
+            how = ctypes.create_string_buffer(open_how(request.flags, request.mode, request.resolve), OPEN_HOW.size)
+            keep = (keep, how)
+            fields = (_OP_OPENAT2, _AT_FDCWD, ctypes.addressof(how), ctypes.addressof(keep[0]), OPEN_HOW.size, 0)
+        else:
+            fields = (_OP_OPENAT, _AT_FDCWD, 0, ctypes.addressof(keep), request.mode, request.flags)
     elif op is OpKind.READ or op is OpKind.WRITE:
         if not 0 <= request.length <= _U32 or request.offset < 0 or request.address <= 0:
             raise ValueError(f"bad {op.value} request: address={request.address:#x} "

@@ -21,8 +21,11 @@ read-only) makes ``scan_tree`` fall back to a plain walk.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 
@@ -45,7 +48,16 @@ class Catalog:
     def __init__(self, tree: KVTree, path: Path | None = None) -> None:
         self.tree = tree
         self.path = path or tree.state_dir / CATALOG_NAME
-        self.path.parent.mkdir(mode=tree.options.dir_mode, exist_ok=True)
+        if path is None:
+            tree.ensure_state_dir()
+        else:
+            self.path.parent.mkdir(mode=tree.options.dir_mode, exist_ok=True)
+        _refuse_links(self.path)
+        try:  # SQLite would create it 0644; an empty file is an empty database (journals copy its mode)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             tree.options.file_mode))
+        except FileExistsError:
+            pass
         self.db = sqlite_utils.Database(self.path)
         self.db.execute("PRAGMA busy_timeout = 10000")
         self._ensure_schema()
@@ -129,6 +141,24 @@ class Catalog:
                              "VALUES (?, ?, ?, ?, ?, ?)", entry_rows)
 
 
+def _refuse_links(path: Path) -> None:
+    """SQLite follows symlinks: a link planted as the catalog, its journals or the state dir
+    could make it rewrite any file of the user running gc. Raise ``OSError`` for one."""
+    for candidate in (path.parent, *(path.with_name(path.name + s) for s in ("", "-journal", "-wal", "-shm"))):
+        try:
+            mode = os.lstat(candidate).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) if candidate == path.parent else stat.S_ISREG(mode)):
+            raise OSError(errno.ELOOP, "not a plain file or directory (planted link?)", str(candidate))
+
+
+def _read_only(exc: Exception) -> bool:
+    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EROFS:
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and ("readonly" in str(exc) or "unable to open" in str(exc))
+
+
 def scan_tree(tree: KVTree, *, use_catalog: bool = True) -> Scan:
     """Scan ``tree``, through the catalog when ``use_catalog`` and it is usable."""
     if use_catalog:
@@ -136,5 +166,6 @@ def scan_tree(tree: KVTree, *, use_catalog: bool = True) -> Scan:
             with Catalog(tree) as catalog:
                 return catalog.scan()
         except (sqlite3.Error, OSError) as exc:
-            log.warning("catalog %s unusable (%s); scanning without it", tree.state_dir / CATALOG_NAME, exc)
+            level = logging.DEBUG if _read_only(exc) else logging.WARNING  # expected on a tree we may only read
+            log.log(level, "catalog %s unusable (%s); scanning without it", tree.state_dir / CATALOG_NAME, exc)
     return Scan.of(tree)

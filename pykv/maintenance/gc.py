@@ -181,8 +181,7 @@ def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
 
 def record_gc(tree: KVTree, result: GcResult) -> None:
     """Write ``<root>/.pykv/gc.json`` atomically (temp file, then rename over)."""
-    tree.state_dir.mkdir(mode=tree.options.dir_mode, exist_ok=True)
-    final = tree.state_dir / GC_STATE_NAME
+    final = tree.ensure_state_dir() / GC_STATE_NAME
     temp = tree.temp_path(final)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
     try:

@@ -1,0 +1,129 @@
+"""``pykv calibrate``: measure where loading beats recomputing (``pykv.connector.calibrate``), write the file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pykv.calibration import Calibration, parse_lengths, parse_tiers, save_plot
+from pykv.commands.output import JsonFlag, emit, parse_engine_args, parse_pairs, table
+from pykv.errors import InputError
+from pykv.units import parse_size
+
+DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,80k"
+
+
+def calibrate_command(
+    model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
+                                       help="Model directory or name, as vLLM takes it.")],
+    root: Annotated[Path, typer.Option("--root", metavar="DIR", show_default=False,
+                                       help="Directory on the medium to calibrate (a scratch tree is made and "
+                                            "removed inside it).")],
+    lengths: Annotated[str, typer.Option("--lengths", metavar="LIST",
+                                         help="Prefix lengths in tokens (1k = 1024), multiples of --block-tokens."
+                                         )] = DEFAULT_LENGTHS,
+    tiers: Annotated[str, typer.Option("--tiers", metavar="LIST",
+                                       help="Tiers to calibrate: disk, dram.")] = "disk,dram",
+    out: Annotated[Path, typer.Option("--out", metavar="FILE", help="Calibration file to write (atomically).")
+                   ] = Path("pykv-calibration.json"),
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE",
+                                                 help="PNG of TTFT against length (default: --out with .png).")
+                    ] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no PNG (matplotlib not needed).")] = False,
+    repeat: Annotated[int, typer.Option("--repeat", metavar="N", min=1,
+                                        help="Runs per length and path; medians are fitted.")] = 3,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N", min=1,
+                                              help="Tokens per storage block, as served (vLLM block_size key).")
+                            ] = 256,
+    engine_arg: Annotated[Optional[list[str]], typer.Option(
+        "--engine-arg", metavar="KEY=VALUE",
+        help="vllm.LLM argument, e.g. load_format=dummy (VALUE read as JSON if it parses); repeatable.")] = None,
+    engine_args: Annotated[Optional[str], typer.Option(
+        "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")] = None,
+    settings: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE", help="pykv key for the pykv engines (docs/configuration.md); repeatable.")
+    ] = None,
+    dram_bytes: Annotated[Optional[str], typer.Option(
+        "--dram-bytes", metavar="SIZE", help="DRAM tier of the store engine (default: 1.25 x the longest "
+                                             "prompt's KV, from the model's config.json).")] = None,
+    bandwidth_size: Annotated[str, typer.Option("--bandwidth-size", metavar="SIZE",
+                                                help="Bytes written and read to measure the medium.")] = "1G",
+    drop_caches: Annotated[Optional[bool], typer.Option(
+        "--drop-caches/--no-drop-caches", show_default=False,
+        help="Drop the page cache before the disk engine (default: when root).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Measure recompute and cache-hit TTFT per length and tier; write the break-even calibration file."""
+    from pykv.connector.calibrate import CalibrationRun, run_calibration
+
+    tier_list = parse_tiers(tiers)
+    plot_path = None if no_plot else (plot or out.with_suffix(".png"))
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--plot: matplotlib is not installed (pip install 'pykv[calibrate]'), "
+                             "or pass --no-plot") from None
+    run = CalibrationRun(model=model, root=root, lengths=parse_lengths(lengths, multiple=block_tokens),
+                         tiers=tier_list, repeat=repeat, block_tokens=block_tokens,
+                         engine_args=parse_engine_args(engine_args, engine_arg or []),
+                         settings=parse_pairs("--set", settings or []),
+                         dram_bytes=None if dram_bytes is None else parse_size(dram_bytes, field="--dram-bytes"),
+                         bandwidth_bytes=parse_size(bandwidth_size, field="--bandwidth-size"),
+                         drop_caches=drop_caches)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("calibrating", total=None)
+
+        def progress(description: str, done: int, total: int) -> None:
+            bar.update(task, description=description, completed=done, total=total)
+
+        calibration = run_calibration(run, progress)
+    calibration.save(out)
+    if plot_path is not None:
+        save_plot(calibration, plot_path)
+    data = calibration.to_json()
+    data["files"] = {"calibration": str(out), "plot": None if plot_path is None else str(plot_path)}
+    emit(data, as_json=as_json, render=_render)
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    calibration = Calibration.from_json(data)
+    recompute = {p["tokens"]: p["seconds"] for p in data["recompute"]["points"]}
+    cold = {p["tokens"]: p["seconds"] for p in data.get("cold", {}).get("points", [])}
+    hits = {name: {p["tokens"]: p["hit_s"] for p in tier.points} for name, tier in calibration.tiers.items()}
+    columns = ["tokens", "recompute", "cold"]
+    for name in hits:
+        columns += [f"{name} hit", f"{name} x"]
+    rows = []
+    for tokens in sorted(recompute):
+        row: list[Any] = [f"{tokens:,}", f"{recompute[tokens]:.4f}", _seconds(cold.get(tokens))]
+        for points in hits.values():
+            hit = points.get(tokens)
+            row += [_seconds(hit), "-" if not hit else f"{recompute[tokens] / hit:.2f}x"]
+        rows.append(row)
+    title = (f"TTFT in seconds (medians; x = recompute / hit), {calibration.model} on {calibration.gpu}, "
+             f"vLLM {calibration.vllm_version}")
+    out.print(table(title, columns, rows, right=set(columns)))
+    medium = calibration.medium
+    bandwidth = medium.get("read_gb_per_s")
+    out.print(f"medium: {medium.get('path')}, O_DIRECT read {'-' if bandwidth is None else f'{bandwidth:.2f}'} GB/s, "
+              f"page cache {medium.get('page_cache')}")
+    for name, tier in calibration.tiers.items():
+        threshold = tier.break_even_tokens
+        verdict = ("never (every load refused)" if math.isinf(threshold) else
+                   "0 (always load)" if threshold == 0 else f"{int(threshold):,} tokens")
+        out.print(f"break-even {name}: {verdict}")
+    files = data["files"]
+    out.print(f"wrote {files['calibration']}" + (f" and {files['plot']}" if files["plot"] else "")
+              + f"; serve with kv_connector_extra_config.breakeven_file={files['calibration']}")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+

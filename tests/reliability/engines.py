@@ -1,0 +1,88 @@
+"""Real vLLM engines for the end-to-end reliability tests, one process each (``tests/e2e/driver.py``).
+
+Every engine runs with ``PYTHONHASHSEED=0`` (shared block hashes), one reserved CPU and
+a 1 GiB CPU KV cache (several engines run at once on the small test machines), and
+writes pykv's counters through ``PYKV_STATS_FILE`` so tests see where KV came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from pykv.connector.config import PykvConfig
+
+TESTS = Path(__file__).resolve().parents[1]
+DRIVER = TESTS / "e2e" / "driver.py"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def env(work: Path, name: str) -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYKV_STATS_FILE": str(work / f"{name}.stats")}
+
+
+def start(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> tuple[subprocess.Popen, Path]:
+    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps}
+    (work / f"{name}.plan.json").write_text(json.dumps(plan))
+    out = work / f"{name}.out.json"
+    log = open(work / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, str(DRIVER), str(work / f"{name}.plan.json"), str(out)],
+                            env=env(work, name), stdout=log, stderr=subprocess.STDOUT, cwd=work)
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> dict:
+    rc = proc.wait(timeout=timeout)
+    log = out.with_name(out.name.replace(".out.json", ".log"))
+    assert rc == 0, f"engine failed (rc {rc}); see {log}:\n" + log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+def log_of(work: Path, name: str) -> str:
+    return (work / f"{name}.log").read_text()
+
+
+def log_errors(work: Path, name: str) -> list[str]:
+    """Uncaught tracebacks and ERROR lines in an engine's log. vLLM logs one harmless traceback as a
+    WARNING in every engine (no tokenizer with ``skip_tokenizer_init``): logged lines are prefixed."""
+    return [line for line in log_of(work, name).splitlines()
+            if line.startswith("Traceback") or " ERROR " in line or "pykv: error" in line]
+
+
+def gen(name: str, prompt: list[int], max_tokens: int = 8) -> dict:
+    return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": max_tokens}
+
+
+def settle(work: Path, engine: str) -> dict:
+    return {"op": "settle", "stats": str(work / f"{engine}.stats"), "timeout": 60}
+
+
+def snap(work: Path, engine: str, name: str) -> dict:
+    return {"op": "snapshot", "name": name, "stats": str(work / f"{engine}.stats")}
+
+
+def mark(name: str) -> dict:
+    return {"op": "mark", "name": name}
+
+
+def run_code(code: str) -> dict:
+    """An ``exec`` step that can import the reliability helpers."""
+    return {"op": "exec", "code": f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{code}"}
+
+
+def ktc(root: Path, block_tokens: int = 256, **keys) -> dict:
+    config = PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", **keys})
+    return config.to_kv_transfer_config(block_tokens)
+
+
+def counter(result: dict, snapshot: str, key: str, process: str = "worker0") -> int:
+    return result[snapshot].get(process, {}).get(key, 0)

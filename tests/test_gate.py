@@ -1,0 +1,219 @@
+"""The break-even gate: the pure decision (pykv/calibration.py) and its use in PykvManager's lookups."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from pykv.calibration import BreakEvenGate, Calibration, CalibrationError, TierCalibration, reusable_prefix
+
+KEYS = [bytes([i]) * 36 for i in range(8)]
+
+
+def tiers_of(mapping: dict[bytes, str]):
+    return mapping.get
+
+
+# -- pure ----------------------------------------------------------------------------------
+def test_admits_at_or_above_the_tier_threshold():
+    gate = BreakEvenGate({"disk": 1000, "dram": 0})
+    assert not gate.admits(999, "disk") and gate.admits(1000, "disk") and gate.admits(5000, "disk")
+    assert gate.admits(1, "dram")
+
+
+def test_never_winning_tier_refuses_everything_and_unmeasured_tier_admits():
+    gate = BreakEvenGate({"disk": math.inf})
+    assert not gate.admits(10**9, "disk")
+    assert gate.admits(1, "dram")  # not calibrated: no threshold
+
+
+def test_nothing_to_load_is_never_a_refusal():
+    gate = BreakEvenGate({"disk": math.inf})
+    assert gate.admits(0, None) and gate.admits(0, "disk")
+
+
+def test_reusable_prefix_stops_at_the_first_miss():
+    where = {KEYS[0]: "disk", KEYS[1]: "disk", KEYS[3]: "disk"}
+    assert reusable_prefix([(256, KEYS[:4])], 0, tiers_of(where)) == (512, "disk")
+    assert reusable_prefix([(256, KEYS[:4])], 0, tiers_of({})) == (0, None)
+
+
+def test_reusable_prefix_counts_from_the_computed_tokens():
+    where = {k: "disk" for k in KEYS[:4]}
+    assert reusable_prefix([(256, KEYS[:4])], 256, tiers_of(where)) == (768, "disk")
+    assert reusable_prefix([(256, KEYS[:4])], 300, tiers_of(where)) == (724, "disk")  # mid-block: partial first
+    assert reusable_prefix([(256, KEYS[:4])], 1024, tiers_of(where)) == (0, None)
+
+
+def test_any_disk_block_makes_it_a_disk_load():
+    dram_only = {k: "dram" for k in KEYS[:3]}
+    assert reusable_prefix([(256, KEYS[:3])], 0, tiers_of(dram_only)) == (768, "dram")
+    mixed = {**dram_only, KEYS[2]: "disk"}
+    assert reusable_prefix([(256, KEYS[:3])], 0, tiers_of(mixed)) == (768, "disk")
+    assert reusable_prefix([(256, KEYS[:3])], 512, tiers_of(mixed)) == (256, "disk")
+    assert reusable_prefix([(256, KEYS[:3])], 0, tiers_of({**mixed, KEYS[1]: None})) == (256, "dram")
+
+
+def test_reusable_prefix_is_cut_at_the_shortest_group():
+    a, b = KEYS[:4], KEYS[4:8]
+    where = {**{k: "dram" for k in a}, b[0]: "dram", b[1]: "dram"}
+    # group b hits 2 blocks: only 512 tokens load, and a's third and fourth blocks do not decide the tier
+    where[a[3]] = "disk"
+    assert reusable_prefix([(256, a), (256, b)], 0, tiers_of(where)) == (512, "dram")
+
+
+def test_decide_reports_tokens_and_tier():
+    gate = BreakEvenGate({"disk": 600})
+    where = {k: "disk" for k in KEYS[:3]}
+    decision = gate.decide([(256, KEYS[:3])], 0, tiers_of(where))
+    assert decision.admitted and (decision.hit_tokens, decision.tier) == (768, "disk")
+    refused = gate.decide([(256, KEYS[:2])], 0, tiers_of(where))
+    assert not refused.admitted and refused.hit_tokens == 512
+
+
+# -- in the manager ------------------------------------------------------------------------
+vllm = pytest.importorskip("vllm")
+
+from pykv.connector import compat  # noqa: E402
+from pykv.connector.compat import LookupResult, OffloadingConfig, ReqContext  # noqa: E402
+from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.connector.manager import PykvManager  # noqa: E402
+from pykv.connector.spec import Metric  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+CHUNK = 64  # 16 tokens per block x 4 blocks per chunk
+
+
+def offloading_config(root: str, **extra) -> OffloadingConfig:
+    group = OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0)
+    parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                        is_parallelism_agnostic=False)
+    return OffloadingConfig(groups=(group,), worker_kv_bytes_per_block=2 * 4096, enable_kv_cache_events=False,
+                            extra_config={"root": root, "staging_bytes": "1M", **extra}, engine_id="e",
+                            model=OffloadingModelConfig(name="tiny", dtype="bfloat16"),
+                            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+                            parallel=parallel, kv_cache_layout="LBHNC")
+
+
+def write_calibration(path, thresholds: dict[str, float], **identity) -> str:
+    values = {"model": "tiny", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", **identity}
+    Calibration(**values, tiers={t: TierCalibration(v) for t, v in thresholds.items()}).save(path)
+    return str(path)
+
+
+def manager(tmp_path, **extra) -> PykvManager:
+    config = offloading_config(str(tmp_path / "tree"), **extra)
+    return PykvManager(config, PykvConfig.from_extra_config(config.extra_config))
+
+
+def on_disk(m: PykvManager, keys) -> None:
+    for key in keys:
+        path = m.tree.block_path(m.namespace.id, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+
+
+def in_dram(m: PykvManager, keys) -> None:
+    for key in keys:
+        assert m.dram.allocate(key) is not None
+        m.dram.commit(key)
+
+
+def lookups(m: PykvManager, req_id: str, keys) -> list[LookupResult]:
+    context = ReqContext(req_id=req_id)
+    return [m.lookup(k, context) for k in keys]
+
+
+def test_no_file_no_gate(tmp_path):
+    m = manager(tmp_path)
+    assert m.gate is None
+    on_disk(m, KEYS[:1])
+    m.gate_request("r", [(CHUNK, KEYS[:1])], 0)
+    assert lookups(m, "r", KEYS[:1]) == [LookupResult.HIT]
+    assert Metric.GATE_REFUSALS not in m.counters
+
+
+def test_short_prefix_is_refused_and_counted_long_one_loads(tmp_path):
+    m = manager(tmp_path, breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 200}))
+    on_disk(m, KEYS[:4])
+    m.gate_request("short", [(CHUNK, KEYS[:3])], 0)  # 192 tokens < 200
+    assert lookups(m, "short", KEYS[:3]) == [LookupResult.MISS] * 3
+    assert lookups(m, "other", KEYS[:1]) == [LookupResult.HIT]  # another request is not affected
+    assert m.counters[Metric.GATE_REFUSALS] == 1 and m.counters[Metric.GATE_REFUSED_TOKENS] == 192
+    m.gate_request("long", [(CHUNK, KEYS[:4])], 0)  # 256 tokens
+    assert lookups(m, "long", KEYS[:4]) == [LookupResult.HIT] * 4
+    assert lookups(m, "short", KEYS[:1]) == [LookupResult.HIT]  # the refusal held for its own round only
+    m.gate_request("long", [(CHUNK, KEYS[:4])], 64)  # a GPU prefix hit leaves 192 tokens to load
+    assert lookups(m, "long", KEYS[1:4]) == [LookupResult.MISS] * 3
+    assert m.counters[Metric.GATE_REFUSALS] == 2
+    stats = m.get_stats()
+    assert stats is not None
+
+
+def test_dram_and_disk_thresholds(tmp_path):
+    m = manager(tmp_path, dram_bytes="1M", breakeven_file=write_calibration(tmp_path / "cal.json",
+                                                                             {"disk": 1000, "dram": 100}))
+    in_dram(m, KEYS[:2])
+    on_disk(m, KEYS[2:3])
+    m.gate_request("dram", [(CHUNK, KEYS[:2])], 0)  # 128 tokens from DRAM >= 100
+    assert lookups(m, "dram", KEYS[:2]) == [LookupResult.HIT] * 2
+    m.gate_request("mixed", [(CHUNK, KEYS[:3])], 0)  # 192 tokens, one block from disk: < 1000
+    assert lookups(m, "mixed", KEYS[:3]) == [LookupResult.MISS] * 3
+
+
+@pytest.mark.parametrize("content, field", [
+    (None, r"\(file\): cannot read"), ("{oops", r"\(file\): malformed JSON"),
+    ('{"pykv_calibration": 1, "model": "tiny", "dtype": "bfloat16", "tiers": {}}', "kv_layout: missing"),
+    ('{"pykv_calibration": 1, "model": "tiny", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", '
+     '"tiers": {"disk": {}}}', "tiers.disk.break_even_tokens: missing"),
+])
+def test_bad_file_stops_the_engine_naming_file_and_field(tmp_path, content, field):
+    path = tmp_path / "cal.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CalibrationError, match=rf"^kv_connector_extra_config\.breakeven_file: {path}: {field}"):
+        manager(tmp_path, breakeven_file=str(path))
+
+
+@pytest.mark.parametrize("identity, field", [({"model": "other"}, "model"), ({"dtype": "float16"}, "dtype"),
+                                             ({"kv_layout": "HND/v26-28"}, "kv_layout")])
+def test_file_for_another_engine_refuses_to_start_unless_overridden(tmp_path, caplog, identity, field):
+    path = write_calibration(tmp_path / "cal.json", {"disk": 100}, **identity)
+    with pytest.raises(CalibrationError, match=rf"breakeven_file: {path}: {field}: calibrated for"):
+        manager(tmp_path, breakeven_file=path)
+    with caplog.at_level(logging.WARNING, logger="pykv"):
+        m = manager(tmp_path, breakeven_file=path, breakeven_override="true")
+    assert m.gate == BreakEvenGate({"disk": 100})
+    assert f"{field}: calibrated for" in caplog.text
+
+
+# -- the connector hook --------------------------------------------------------------------
+def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
+    from pykv.connector.connector import PykvOffloadingConnector
+
+    seen = []
+    fake_manager = SimpleNamespace(gate=BreakEvenGate({}), gate_request=lambda *args: seen.append(args))
+    group = SimpleNamespace(tokens_per_chunk=64, hashes_per_chunk=4, group_idx=3)
+    connector = object.__new__(PykvOffloadingConnector)
+    connector.connector_scheduler = SimpleNamespace(manager=fake_manager,
+                                                    config=SimpleNamespace(kv_group_configs=[group]))
+    monkeypatch.setattr(compat.OffloadingConnector, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed: (seen.append("super"), (0, False))[1])
+    hashes = [bytes([i]) * 32 for i in range(10)]  # 10 hash blocks: 2 full chunks
+    request = SimpleNamespace(request_id="r1", block_hashes=hashes)
+    assert connector.get_num_new_matched_tokens(request, 16) == (0, False)
+    expected = [compat.make_offload_key(hashes[3], 3), compat.make_offload_key(hashes[7], 3)]
+    assert seen == [("r1", [(64, expected)], 16), "super"]
+    fake_manager.gate = None  # no gate: no work
+    seen.clear()
+    connector.get_num_new_matched_tokens(request, 0)
+    assert seen == ["super"]
