@@ -13,10 +13,8 @@ from typing import Annotated, Optional
 import typer
 
 from pykv.commands.inspect import inspect_command
-from pykv.commands.output import console, table
-from pykv.errors import InputError, PykvError
-from pykv.maintenance.scan import ROOT_EXEMPT
-from pykv.tree import MARKER_NAME, KVTree
+from pykv.commands.output import check_new_root, console, table
+from pykv.errors import PykvError
 
 
 def demo_command(
@@ -25,7 +23,7 @@ def demo_command(
 ) -> None:
     """Run a tiny random Llama through vLLM with pykv twice; the second run loads its KV from the tree."""
     if root is not None:
-        _check_root(root)
+        check_new_root(root)
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -52,15 +50,3 @@ def demo_command(
     screen.print(f"blocks stored: {worker.get('store_published', 0)}, loaded from disk: "
               f"{worker.get('load_blocks_disk', 0)}; outputs equal: {first['tokens'] == second['tokens']}")
     inspect_command(root)
-
-
-def _check_root(root: Path) -> None:
-    """A new path, an empty directory or a pykv tree: never make a directory holding other data a tree."""
-    if not root.exists():
-        return
-    if not root.is_dir():
-        raise InputError(f"--root: {root} is not a directory")
-    if (root / MARKER_NAME).exists():
-        KVTree.open(root)  # raises NotATreeError for a marker it cannot use
-    elif any(entry.name not in ROOT_EXEMPT for entry in root.iterdir()):
-        raise InputError(f"--root: {root} is not a pykv tree and not empty")

@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pykv.errors import InputError, PykvError
+from pykv.maintenance.scan import ROOT_EXEMPT
+from pykv.tree import MARKER_NAME, KVTree
 from pykv.units import format_size
 
 USAGE_EXIT = 2
@@ -138,3 +140,15 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
         if key in values:
             raise InputError(f"--engine-arg {key}: set by the command (see its --help)")
     return values
+
+
+def check_new_root(root: Path) -> None:
+    """A new path, an empty directory or a pykv tree: never make a directory holding other data a tree."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise InputError(f"--root: {root} is not a directory")
+    if (root / MARKER_NAME).exists():
+        KVTree.open(root)  # raises NotATreeError for a marker it cannot use
+    elif any(entry.name not in ROOT_EXEMPT for entry in root.iterdir()):
+        raise InputError(f"--root: {root} is not a pykv tree and not empty")

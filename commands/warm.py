@@ -9,8 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pykv.commands.demo import _check_root as check_root
-from pykv.commands.output import JsonFlag, emit, parse_engine_args, parse_pairs, table, warn
+from pykv.commands.output import JsonFlag, check_new_root, emit, parse_engine_args, parse_pairs, table, warn
 from pykv.connector.config import PykvConfig
 from pykv.connector.warm import WarmPlan, read_prompts, run_warm
 from pykv.errors import InputError, PykvError
@@ -49,7 +48,7 @@ def warm_command(
     nothing new. Uses $PYTHONHASHSEED (0 when unset): serve with the same value.
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
-    check_root(root)
+    check_new_root(root)
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_pairs("--set", settings or [])

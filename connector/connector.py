@@ -145,9 +145,7 @@ class PykvOffloadingConnector(OffloadingConnector):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
         manager = getattr(self.connector_scheduler, "manager", None)
         if getattr(manager, "gate", None) is not None:  # break-even gate: show it the request's blocks first
-            groups = [(g.tokens_per_chunk, [compat.make_offload_key(h, g.group_idx) for h in
-                                            request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]])
-                      for g in self.connector_scheduler.config.kv_group_configs]
+            groups = [(g.tokens_per_chunk, keys) for g, keys in self._keys_per_group(request)]
             manager.gate_request(request.request_id, groups, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)
 
@@ -156,12 +154,17 @@ class PykvOffloadingConnector(OffloadingConnector):
         manager = getattr(self.connector_scheduler, "manager", None) if self.connector_scheduler else None
         return manager if getattr(manager, "preloads", None) is not None else None
 
+    def _keys_per_group(self, request: Any) -> list[tuple[Any, list[bytes]]]:
+        """(group config, the request's offload keys in that group) as vLLM builds them
+        (``RequestOffloadState.update_offload_keys``): one key per full chunk."""
+        return [(g, [compat.make_offload_key(h, g.group_idx)
+                     for h in request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]])
+                for g in self.connector_scheduler.config.kv_group_configs]
+
     def request_block_keys(self, request: Any) -> list[bytes]:
-        """The request's offload keys as vLLM builds them (``RequestOffloadState.update_offload_keys``),
-        chunk by chunk; with several KV groups, chunk i of every group before chunk i + 1."""
-        per_group = [[compat.make_offload_key(h, g.group_idx)
-                      for h in request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]]
-                     for g in self.connector_scheduler.config.kv_group_configs]
+        """The request's offload keys chunk by chunk; with several KV groups, chunk i of every
+        group before chunk i + 1."""
+        per_group = [keys for _, keys in self._keys_per_group(request)]
         return [keys[i] for i in range(max(map(len, per_group), default=0)) for keys in per_group if i < len(keys)]
 
     def on_new_request(self, request: Any) -> None:
