@@ -30,8 +30,9 @@ def env(work: Path, name: str) -> dict[str, str]:
             "PYKV_STATS_FILE": str(work / f"{name}.stats")}
 
 
-def start(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> tuple[subprocess.Popen, Path]:
-    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps}
+def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
+          engine: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")
