@@ -104,9 +104,19 @@ class IoBackend(abc.ABC):
         """Operations submitted and not yet returned by ``wait``."""
         return self._in_flight
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Release the backend's resources; in-flight operations are waited for."""
+        """Wait for in-flight operations, then release the backend's resources (idempotent)."""
+        if self._closed:
+            return
+        try:
+            while self._in_flight:
+                self.wait(self._in_flight)
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        """Free the backend's resources (threads, ring, file descriptors); called once by ``close``."""
 
     def __enter__(self) -> "IoBackend":
         return self

@@ -120,18 +120,11 @@ class ThreadPoolBackend(IoBackend):
     def wake(self) -> None:
         self._completions.put(_WAKE)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            while self._in_flight:
-                self.wait(self._in_flight)
-        finally:
-            self._closed = True
-            for _ in self._workers:
-                self._requests.put(_STOP)
-            for worker in self._workers:
-                worker.join()
+    def _release(self) -> None:
+        for _ in self._workers:
+            self._requests.put(_STOP)
+        for worker in self._workers:
+            worker.join()
 
 
 def _validate(request: IoRequest) -> None:

@@ -220,15 +220,6 @@ class UringBackend(IoBackend):
             if self._event_fd >= 0:
                 os.eventfd_write(self._event_fd, 1)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            while self._in_flight:
-                self.wait(self._in_flight)
-        finally:
-            self._release()
-
     # -- ring mechanics ----------------------------------------------------------------
 
     def _push(self, sqe: tuple) -> None:
