@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.calibration import Calibration, parse_lengths, parse_tiers, save_plot
-from pykv.commands.output import JsonFlag, emit, parse_engine_args, parse_pairs, table
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, emit, parse_engine_args, parse_pairs,
+    table)
 from pykv.errors import InputError
 from pykv.units import parse_size
 
@@ -40,11 +41,8 @@ def calibrate_command(
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N", min=1,
                                               help="Tokens per storage block, as served (vLLM block_size key).")
                             ] = 256,
-    engine_arg: Annotated[Optional[list[str]], typer.Option(
-        "--engine-arg", metavar="KEY=VALUE",
-        help="vllm.LLM argument, e.g. load_format=dummy (VALUE read as JSON if it parses); repeatable.")] = None,
-    engine_args: Annotated[Optional[str], typer.Option(
-        "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")] = None,
+    engine_arg: EngineArgOption = None,
+    engine_args: EngineArgsOption = None,
     settings: Annotated[Optional[list[str]], typer.Option(
         "--set", metavar="KEY=VALUE", help="pykv key for the pykv engines (docs/configuration.md); repeatable.")
     ] = None,

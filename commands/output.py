@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -103,6 +103,11 @@ def table(title: str | None, columns: list[str], rows: list[list[Any]], *, right
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 NoCatalogFlag = Annotated[bool, typer.Option(
     "--no-catalog", help="List every directory instead of reusing the scan cache in .pykv/catalog.db.")]
+EngineArgOption = Annotated[Optional[list[str]], typer.Option(
+    "--engine-arg", metavar="KEY=VALUE",
+    help="vllm.LLM argument, e.g. load_format=dummy (VALUE read as JSON if it parses); repeatable.")]
+EngineArgsOption = Annotated[Optional[str], typer.Option(
+    "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")]
 RootArgument = Annotated[Path, typer.Argument(
     help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
 

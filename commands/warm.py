@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pykv.commands.output import JsonFlag, check_new_root, emit, parse_engine_args, parse_pairs, table, warn
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
+    parse_engine_args, parse_pairs, table, warn)
 from pykv.connector.config import PykvConfig
 from pykv.connector.warm import WarmPlan, read_prompts, run_warm
 from pykv.errors import InputError, PykvError
@@ -28,11 +29,8 @@ def warm_command(
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
                                               help="Tokens per storage block; must match the serving "
                                                    "engines' kv_transfer_config block_size.")] = 256,
-    engine_arg: Annotated[Optional[list[str]], typer.Option(
-        "--engine-arg", metavar="KEY=VALUE",
-        help="vllm.LLM argument, e.g. block_size=16 (VALUE read as JSON if it parses); repeatable.")] = None,
-    engine_args: Annotated[Optional[str], typer.Option(
-        "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")] = None,
+    engine_arg: EngineArgOption = None,
+    engine_args: EngineArgsOption = None,
     settings: Annotated[Optional[list[str]], typer.Option(
         "--set", metavar="KEY=VALUE", help="pykv key of docs/configuration.md (e.g. breakeven_file=...); "
                                            "repeatable.")] = None,

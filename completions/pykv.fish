@@ -70,7 +70,7 @@ complete -c pykv -n '__fish_seen_subcommand_from calibrate' -l help -d 'Show thi
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l model -r -d 'Model name or directory, as given to vLLM.'
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l root -r -a '(__fish_complete_directories)' -d 'Directory of the pykv tree.'
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l block-tokens -r -d 'Tokens per storage block; must match the serving engines\' kv_transfer_config block_size.'
-complete -c pykv -n '__fish_seen_subcommand_from warm' -l engine-arg -r -d 'vllm.LLM argument, e.g. block_size=16 (VALUE read as JSON if it parses); repeatable.'
+complete -c pykv -n '__fish_seen_subcommand_from warm' -l engine-arg -r -d 'vllm.LLM argument, e.g. load_format=dummy (VALUE read as JSON if it parses); repeatable.'
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l engine-args -r -d 'vllm.LLM arguments as one JSON object (--engine-arg wins).'
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l set -r -d 'pykv key of docs/configuration.md (e.g. breakeven_file=...); repeatable.'
 complete -c pykv -n '__fish_seen_subcommand_from warm' -l dry-run -d 'Report what would be stored; store nothing.'
