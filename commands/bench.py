@@ -28,12 +28,19 @@ def bench_command(
     files: Annotated[bool, typer.Option(
         "--files/--no-files", help="Also measure the reactor storing and loading real block files.")] = True,
     fio: Annotated[bool, typer.Option("--fio/--no-fio", help="Run fio side by side when it is installed.")] = True,
+    read_segment: Annotated[str, typer.Option(
+        "--read-segment", metavar="SIZE",
+        help="Reactor file loads split each block read into pieces of SIZE (the read_segment_bytes key); 0: one read.",
+    )] = "0",
     as_json: JsonFlag = False,
 ) -> None:
     """Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed)."""
     depths = parse_int_list(depth, field="--depth")
     block = require_multiple(parse_size(block_size, field="--block-size"), ALIGNMENT, field="--block-size")
     total = parse_size(size, field="--size")
+    segment = parse_size(read_segment, field="--read-segment")
+    if segment:
+        require_multiple(segment, ALIGNMENT, field="--read-segment")
     if total < block:
         raise InputError(f"--size: {format_size(total)} is smaller than --block-size {format_size(block)}")
     total -= total % block
@@ -46,7 +53,7 @@ def bench_command(
         if fio and not fio_available():
             warn("fio is not installed; measuring pykv only")
         results = run_bench(Path(directory), depths=depths, block_size=block, size=total, repeat=repeat,
-                            with_fio=fio, with_files=files)
+                            with_fio=fio, with_files=files, read_segment=segment)
     data = {"path": str(path or tempfile.gettempdir()), "block_size": block, "size": total, "repeat": repeat,
             "results": [r.as_dict() for r in results]}
     emit(data, as_json=as_json, render=_render)

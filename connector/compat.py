@@ -170,3 +170,18 @@ def scheduler_offloading_manager(llm: Any) -> Any:
     core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
     connector = getattr(getattr(core, "scheduler", None), "connector", None)
     return getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+
+
+def batched_copy_op() -> Any:
+    """vLLM's ``swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)`` (one driver
+    call for many pointer copies; ``cuMemcpyBatchAsync`` on CUDA 12.8+), or None where this build
+    lacks it or its CUDA extension does not load. Present in 0.26 to 0.33 (``vllm._custom_ops``)."""
+    import torch
+    try:
+        from vllm import _custom_ops as ops
+        op = getattr(ops, "swap_blocks_batch", None)
+        if op is None or not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
+            return None
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return op

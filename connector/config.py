@@ -34,6 +34,13 @@ def _size(value: Any, key: str) -> int:
     return parse_size(value if isinstance(value, (int, str)) else str(value), field=f"{PREFIX}.{key}")
 
 
+def _segment(value: Any, key: str) -> int:
+    size = _size(value, key)
+    if size % 4096:
+        raise InputError(f"{PREFIX}.{key}: expected a multiple of 4 KiB (O_DIRECT alignment) or 0, got {value!r}")
+    return size
+
+
 def _duration(value: Any, key: str) -> float:
     return parse_duration(value if isinstance(value, (int, float, str)) else str(value), field=f"{PREFIX}.{key}")
 
@@ -103,6 +110,10 @@ class PykvConfig:
     staging_bytes: int = _key(_size, "1G", "Transient staging memory per worker (slots for disk I/O).", "size")
     io_depth: int = _key(_positive_int, 16, "Disk reads and writes in flight per worker.", "int")
     open_ahead: int = _key(_positive_int, 32, "Files opened ahead of their reads.", "int")
+    read_segment_bytes: int = _key(_segment, 0, "Split each block file's read into parallel reads of this "
+                                   "size (multiple of 4 KiB); 0 reads a block in one request. Media that "
+                                   "read faster with more, smaller requests in flight gain (see "
+                                   "docs/benchmarks.md).", "size")
     io_engine: str = _key(_choice("auto", "io_uring", "threadpool"), "auto",
                           "I/O backend: io_uring when usable, else a preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")

@@ -14,8 +14,11 @@ then), possibly from another thread.
   and the fallback everywhere.
 - ``CudaCopier``: asynchronous, for CUDA; stores copy on one stream per slot
   without a device-wide sync, loads go out as one batch on a dedicated stream;
-  completions are found by polling CUDA events on a small thread. It needs the
-  staging pool page-locked (``StagingPool(register=cuda_host_register)``).
+  each batch is one call of vLLM's batched copy op (``compat.batched_copy_op``,
+  pointer lists from ``descriptors.copy_descriptors``) where the build has it,
+  torch copies otherwise; completions are found by polling CUDA events on a
+  small thread. It needs the staging pool page-locked
+  (``StagingPool(register=cuda_host_register)``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from pykv.connector import compat
+from pykv.connector.descriptors import copy_descriptors
 from pykv.connector.layout import BlockLayout
 
 log = logging.getLogger(__name__)
@@ -149,7 +154,8 @@ class CudaCopier(TorchCopier):
     """Asynchronous copies on CUDA streams; completions reported from a poller thread.
 
     Copies go straight between the page-locked slot and the KV cache blocks (no
-    device temporary): one ``cudaMemcpyAsync`` per run of consecutive block ids.
+    device temporary): all entries of a batch in one call of vLLM's batched copy
+    op (``cuMemcpyBatchAsync``), or torch copies where the op is missing.
 
     Not exercised on the CPU test machines; written for the H200 runs. Ordering:
     a store stream first waits on the compute stream (the KV it reads was written
@@ -159,8 +165,10 @@ class CudaCopier(TorchCopier):
 
     non_blocking = True
 
-    def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout, *, streams: int = 8) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout, *, streams: int = 8,
+                 batched: bool = True) -> None:
         super().__init__(tensors, layout)
+        self._batch_op = compat.batched_copy_op() if batched else None
         self.device = self.tensors[0].device
         self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
         self._next_stream = 0
@@ -188,14 +196,14 @@ class CudaCopier(TorchCopier):
                 else:
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._copy(task, to_slot=True)
+                    keep = self._issue([task], to_slot=True)
                     event = torch.cuda.Event()
                     event.record(stream)
             except Exception:  # noqa: BLE001
                 log.exception("pykv: device-to-host copy failed")
                 done(task, False)
                 continue
-            self._pending.put(([task], event, done))
+            self._pending.put(([task], event, done, keep))
 
     def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
         if not tasks:
@@ -208,8 +216,7 @@ class CudaCopier(TorchCopier):
             if any(t.after is None for t in tasks):
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for task in tasks:
-                    self._copy(task, to_slot=False)
+                keep = self._issue(tasks, to_slot=False)
                 event = torch.cuda.Event()
                 event.record(stream)
         except Exception:  # noqa: BLE001
@@ -217,14 +224,32 @@ class CudaCopier(TorchCopier):
             for task in tasks:
                 done(task, False)
             return
-        self._pending.put((list(tasks), event, done))
+        self._pending.put((list(tasks), event, done, keep))
+
+    def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
+        """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.
+
+        With the batched op: one driver call for the whole batch (its pointer tensors are kept
+        alive until the batch's event completes). Loads read page-locked slots that no device
+        work writes, so their source may be read out of stream order.
+        """
+        if self._batch_op is None:
+            for task in tasks:
+                self._copy(task, to_slot=to_slot)
+            return None
+        entries = copy_descriptors(tasks, self.tensors, self.layout, to_slot=to_slot)
+        if not len(entries):
+            return None
+        pointers = tuple(torch.from_numpy(a) for a in (entries.src, entries.dst, entries.sizes))
+        self._batch_op(*pointers, is_src_access_order_any=not to_slot)
+        return pointers
 
     def _poll(self) -> None:
         while True:
             item = self._pending.get()
             if item is None:
                 return
-            tasks, event, done = item
+            tasks, event, done, _keep = item
             event.synchronize()  # blocks this thread only; releases the GIL
             for task in tasks:
                 done(task, True)

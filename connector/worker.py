@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from pykv.io.probe import direct_io_supported, open_backend
-from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
+from pykv.reactor import (FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock,
+                          backend_depth)
 from pykv.staging import StagingPool
 from pykv.tree import KVTree, TreeOptions
 
@@ -103,7 +104,11 @@ class PykvWorker(OffloadingWorker):
         direct, why = direct_io_supported(pykv.root)
         if not direct:
             log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", pykv.root, why)
-        backend = open_backend(pykv.io_engine, depth=2 * (pykv.io_depth + pykv.open_ahead) + 8, directory=pykv.root)
+        reactor_config = ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct,
+                                       max_speculative=pykv.preload_max_bytes // self.pool.slot_bytes,
+                                       read_segment=pykv.read_segment_bytes)
+        backend = open_backend(pykv.io_engine, depth=backend_depth(reactor_config, self.pool.slot_bytes),
+                               directory=pykv.root)
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
@@ -112,8 +117,7 @@ class PykvWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._stats_file = StatsFile(f"worker{self.rank}")
         self.reactor = Reactor(backend, self.pool, self.tree,
-                               config=ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct,
-                                                    max_speculative=pykv.preload_max_bytes // self.pool.slot_bytes),
+                               config=reactor_config,
                                sink=self, source=self, on_job_done=self._on_job_done)
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, backend.name,

@@ -27,7 +27,7 @@ from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
 from pykv.io.probe import open_backend
 from pykv.namespace import Namespace
-from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, StoreBlock
+from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, StoreBlock, backend_depth
 from pykv.staging import StagingPool, slot_bytes_for
 from pykv.tree import KVTree
 
@@ -110,7 +110,7 @@ class _ZeroSource:
 
 
 def bench_files(engine: str, directory: Path, *, size: int, block_size: int, depth: int,
-                verify: str = "header") -> list[BenchResult]:
+                verify: str = "header", read_segment: int = 0) -> list[BenchResult]:
     """Store then load ``size // block_size`` block files through the reactor."""
     payload = block_size - HEADER_SIZE
     geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
@@ -120,14 +120,16 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
     tree.ensure_namespace(namespace)
     pool = StagingPool(slot_bytes_for(payload), depth * 2)
     source = _ZeroSource()
-    reactor = Reactor(open_backend(engine, depth=4 * depth + 8), pool, tree, source=source,
-                      config=ReactorConfig(io_depth=depth, open_ahead=2 * depth, verify=verify))
+    config = ReactorConfig(io_depth=depth, open_ahead=2 * depth, verify=verify, read_segment=read_segment)
+    reactor = Reactor(open_backend(engine, depth=backend_depth(config, pool.slot_bytes)), pool, tree, source=source,
+                      config=config)
     source.reactor = reactor
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size)]
     stores = [StoreBlock(tree.block_path(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
     loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
     try:
-        name = f"pykv reactor files ({reactor.backend.name})"
+        name = f"pykv reactor files ({reactor.backend.name}"
+        name += f", reads in {read_segment >> 10} KiB pieces)" if read_segment else ")"
         stored = _timed(reactor, "store", stores)
         for block in stores:
             drop_page_cache(block.path)
@@ -185,7 +187,7 @@ def drop_page_cache(path: Path) -> None:
 
 def run_bench(directory: Path, *, depths: list[int], block_size: int, size: int, repeat: int = 1,
               engines: tuple[str, ...] = ("io_uring", "threadpool"), with_fio: bool = True,
-              with_files: bool = True) -> list[BenchResult]:
+              with_files: bool = True, read_segment: int = 0) -> list[BenchResult]:
     """Every engine at every depth, side by side on one file; the median of ``repeat`` passes.
 
     The file is written once untimed first, so every write pass overwrites allocated blocks.
@@ -203,7 +205,8 @@ def run_bench(directory: Path, *, depths: list[int], block_size: int, size: int,
                 if with_fio and fio_available():
                     runs += bench_fio(path, size=size, block_size=block_size, depth=depth)
                 if with_files:
-                    runs += bench_files(engines[0], directory, size=size, block_size=block_size, depth=depth)
+                    runs += bench_files(engines[0], directory, size=size, block_size=block_size, depth=depth,
+                                        read_segment=read_segment)
                 for r in runs:
                     passes.setdefault((r.engine, r.op), []).append(r)
             for runs in passes.values():

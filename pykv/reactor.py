@@ -138,6 +138,7 @@ class _Transfer:
     owners: set | None = None  # preload: the waiting requests that still want it (None: not a preload)
     claims: int = 0  # preload: demand loads it served
     read_ok: bool = False  # the block was read and verified
+    segments: list[int | None] | None = None  # split first read: each piece's result (None: in flight)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,21 @@ class ReactorConfig:
     verify: str = "full"  # "full": header and payload checksum; "header": header only
     direct: bool = True
     max_speculative: int | None = None  # slots preloads may hold together (None: the policy's other bounds)
+    read_segment: int = 0  # > 0: a block's first read goes out as parallel reads of this many bytes
+
+    def requests_per_read(self, slot_bytes: int) -> int:
+        """I/O requests one block read may keep in flight (for sizing the backend's depth)."""
+        return segment_count(slot_bytes, self.read_segment)
+
+
+def segment_count(length: int, segment: int) -> int:
+    """Parallel reads that cover ``length`` bytes in pieces of ``segment`` (0: one read)."""
+    return 1 if segment <= 0 or segment >= length else -(-length // segment)
+
+
+def backend_depth(config: ReactorConfig, slot_bytes: int) -> int:
+    """I/O depth a backend needs for a reactor with ``config`` (reads, opens, writes, closes in flight)."""
+    return 2 * (config.io_depth * config.requests_per_read(slot_bytes) + config.open_ahead) + 8
 
 
 STATS = ("disk_reads", "disk_read_bytes", "delivered_blocks", "delivered_bytes", "preloads_submitted",
@@ -169,6 +185,13 @@ class Reactor:
         self.config = config or ReactorConfig()
         if self.config.verify not in ("full", "header"):
             raise ValueError(f"verify must be 'full' or 'header', got {self.config.verify!r}")
+        segment = self.config.read_segment
+        if segment < 0 or segment % 4096:
+            raise ValueError(f"read_segment must be a multiple of 4096 bytes (or 0), got {segment}")
+        pieces = self.config.requests_per_read(pool.slot_bytes)
+        if pieces > 1 and backend.depth < self.config.io_depth * pieces + self.config.open_ahead:
+            raise ValueError(f"backend depth {backend.depth} is too small for {self.config.io_depth} reads of "
+                             f"{pieces} pieces; use backend_depth()")
         self.backend, self.pool, self.tree = backend, pool, tree
         self.sink, self.source, self.on_job_done = sink, source, on_job_done
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
@@ -346,7 +369,7 @@ class Reactor:
                 t.slot = action.slot
                 self.stats["disk_reads"] += 1
                 self.stats["preloads_started"] += t.owners is not None
-                requests.append(self._read_request(action.transfer, t))
+                requests.extend(self._first_reads(action.transfer, t))
             elif isinstance(action, Fill):
                 self._request_fill(action)
             elif isinstance(action, Write):
@@ -365,12 +388,24 @@ class Reactor:
         return IoRequest(OpKind.READ, ("read", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
                          length=length, offset=t.done)
 
+    def _first_reads(self, tid: int, t: _Transfer) -> list[IoRequest]:
+        """The first read of a block: one request for the whole slot, or ``read_segment``-sized pieces in
+        parallel (media such as loop devices read faster with more, smaller requests in flight)."""
+        size, segment = self.pool.slot_bytes, self.config.read_segment
+        count = segment_count(size, segment)
+        if count == 1:
+            return [self._read_request(tid, t)]
+        t.segments = [None] * count
+        base = self.pool.address(t.slot)
+        return [IoRequest(OpKind.READ, ("segment", tid, i), fd=t.fd, address=base + i * segment,
+                          length=min(segment, size - i * segment), offset=i * segment) for i in range(count)]
+
     def _write_request(self, tid: int, t: _Transfer) -> IoRequest:
         return IoRequest(OpKind.WRITE, ("write", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
                          length=t.expected - t.done, offset=t.done)
 
     def _complete(self, completion: IoCompletion) -> None:
-        op, tid = completion.token
+        op, tid, *part = completion.token
         result = completion.result
         if op == "close":
             if result < 0:
@@ -381,6 +416,8 @@ class Reactor:
             self._on_opened(tid, t, result)
         elif op == "read":
             self._on_read(tid, t, result)
+        elif op == "segment":
+            self._on_segment(tid, t, part[0], result)
         elif op == "wopen":
             self._on_write_opened(tid, t, result)
         elif op == "write":
@@ -396,6 +433,28 @@ class Reactor:
             return
         t.fd = result
         self.policy.opened(tid, ok=True)
+
+    def _on_segment(self, tid: int, t: _Transfer, index: int, result: int) -> None:
+        """One piece of a split first read; when all are back, continue as after one read of their
+        contiguous prefix (a short piece before the end is re-read from there, like a short read)."""
+        assert t.segments is not None
+        t.segments[index] = result
+        if any(r is None for r in t.segments):
+            return
+        segment, results, t.segments = self.config.read_segment, t.segments, None
+        errors = [r for r in results if r is not None and r < 0]
+        contiguous = 0
+        for i, r in enumerate(results):
+            assert r is not None
+            if r < 0:
+                break
+            contiguous += r
+            if r < min(segment, self.pool.slot_bytes - i * segment):
+                break
+        if errors and contiguous < HEADER_SIZE:
+            self._on_read(tid, t, errors[0])
+        else:
+            self._on_read(tid, t, contiguous)
 
     def _on_read(self, tid: int, t: _Transfer, result: int) -> None:
         error = None

@@ -53,15 +53,20 @@ class CopySink:
             self.reactor.consumed(b.transfer)
 
 
-@pytest.fixture(params=["io_uring", "threadpool"])
+@pytest.fixture(params=[("io_uring", 0), ("threadpool", 0), ("io_uring", 4096), ("threadpool", 8192)],
+                ids=["io_uring", "threadpool", "io_uring-segments", "threadpool-segments"])
 def rig(request, tmp_path):
+    """A reactor over a 3-slot pool; the ``-segments`` variants split each block read into pieces."""
+    engine, segment = request.param
     tree = KVTree.create(tmp_path / "tree")
     tree.ensure_namespace(NS)
     pool = StagingPool(slot_bytes_for(GEOMETRY.payload_length), 3)
     source, sink = PatternSource(), CopySink()
-    backend = open_backend(request.param, depth=64)
-    assert backend.name == request.param
-    reactor = Reactor(backend, pool, tree, config=ReactorConfig(io_depth=2, open_ahead=4), sink=sink, source=source)
+    backend = open_backend(engine, depth=64)
+    assert backend.name == engine
+    config = ReactorConfig(io_depth=2, open_ahead=4, read_segment=segment)
+    assert config.requests_per_read(pool.slot_bytes) == (1 if not segment else -(-pool.slot_bytes // segment))
+    reactor = Reactor(backend, pool, tree, config=config, sink=sink, source=source)
     source.reactor = sink.reactor = reactor
     yield tree, reactor, sink
     reactor.close()
@@ -173,3 +178,43 @@ def test_jobs_from_many_threads(rig):
     for t in threads:
         t.join()
     assert all(r.ok for r in results.values()) and len(results) == 4
+
+
+def test_segmented_reads_issue_one_request_per_piece(tmp_path):
+    """Split reads really go out as several requests; the payload is the same as one read's."""
+    tree = KVTree.create(tmp_path)
+    pool = StagingPool(slot_bytes_for(GEOMETRY.payload_length), 2)
+    sink, source = CopySink(), PatternSource()
+    backend = open_backend("threadpool", depth=64)
+    sizes: list[int] = []
+    submit = backend.submit
+
+    def counting_submit(requests):
+        sizes.extend(r.length for r in requests if r.op.name == "READ")
+        submit(requests)
+    backend.submit = counting_submit
+    reactor = Reactor(backend, pool, tree, config=ReactorConfig(io_depth=2, open_ahead=4, read_segment=4096),
+                      sink=sink, source=source)
+    sink.reactor = source.reactor = reactor
+    try:
+        reactor.submit_store("s", blocks(tree, 1))
+        reactor.wait_for("s", timeout=30)
+        reactor.submit_load("l", blocks(tree, 1, LoadBlock))
+        assert reactor.wait_for("l", timeout=30).ok
+    finally:
+        reactor.close()
+        pool.close()
+    assert sink.payloads == {0: pattern(0)}
+    assert sizes == [4096] * (pool.slot_bytes // 4096)
+
+
+@pytest.mark.parametrize("segment, depth, message", [(1000, 64, "multiple of 4096"), (4096, 8, "too small")])
+def test_bad_segment_settings_are_refused(tmp_path, segment, depth, message):
+    pool = StagingPool(slot_bytes_for(GEOMETRY.payload_length), 2)
+    backend = open_backend("threadpool", depth=depth)
+    try:
+        with pytest.raises(ValueError, match=message):
+            Reactor(backend, pool, KVTree.create(tmp_path), config=ReactorConfig(io_depth=2, read_segment=segment))
+    finally:
+        backend.close()
+        pool.close()

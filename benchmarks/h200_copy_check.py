@@ -1,0 +1,118 @@
+"""Check and time pykv's CUDA copier outside vLLM (H200 host; needs vLLM for the batched op).
+
+For the Llama-3.2-3B shape under vLLM 0.26 (one cross-layer page of 16 x 114,688
+bytes per GPU block, 16 blocks per 256-token storage block) it loads ``--chunks``
+storage blocks from page-locked staging slots into a KV tensor with
+``CudaCopier`` twice - vLLM's batched copy op, then torch copies (gather and
+``index_copy_``) - in the same run, checks every byte against the slot, and
+prints GB/s of each, next to one plain pinned H2D copy of the same bytes.
+Both a packed KV tensor and one with padded rows are tried. One JSON line per
+measurement goes to ``--out``.
+
+    python3 benchmarks/h200_copy_check.py --out $OUT/copy_check.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+import torch
+
+from pykv.connector import compat
+from pykv.connector.copier import CopyTask, CudaCopier, cuda_host_register, cuda_host_unregister
+from pykv.connector.layout import BlockLayout, RefPage
+from pykv.staging import StagingPool
+
+PAGE = 16 * 114_688  # one GPU block of the 3B shape, all layers (vLLM 0.26 cross-layer page)
+BPC = 16
+
+
+def load_all(copier: CudaCopier, tasks: list[CopyTask], batch: int) -> float:
+    """Seconds to move every task (``batch`` tasks per ``from_slots`` call, as the reactor hands them)."""
+    done = threading.Semaphore(0)
+    failed: list[CopyTask] = []
+
+    def finished(task: CopyTask, ok: bool) -> None:
+        if not ok:
+            failed.append(task)
+        done.release()
+
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for i in range(0, len(tasks), batch):
+        copier.from_slots(tasks[i:i + batch], finished)
+    for _ in tasks:
+        done.acquire()
+    seconds = time.perf_counter() - began
+    if failed:
+        raise SystemExit(f"{len(failed)} copies failed")
+    return seconds
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chunks", type=int, default=64, help="storage blocks in staging (28 MiB each)")
+    p.add_argument("--rounds", type=int, default=5, help="passes over the slots per measurement (bytes moved)")
+    p.add_argument("--batch", type=int, default=16, help="storage blocks per from_slots call")
+    p.add_argument("--out", default="copy_check.jsonl")
+    a = p.parse_args()
+    device = torch.device("cuda")
+    slot_bytes = PAGE * BPC
+    pool = StagingPool(slot_bytes, a.chunks, register=cuda_host_register, unregister=cuda_host_unregister)
+    slots = [torch.frombuffer(pool.view(s), dtype=torch.int8) for s in range(a.chunks)]
+    generator = torch.Generator().manual_seed(0)
+    for s in slots:
+        s.copy_(torch.randint(-128, 127, (slot_bytes,), dtype=torch.int8, generator=generator))
+    layout = BlockLayout(BPC, 256, ((RefPage(0, PAGE),),))
+    blocks = a.chunks * BPC * a.rounds
+    shapes = {"packed": torch.zeros((blocks + 64, PAGE), dtype=torch.int8, device=device),
+              "padded rows": torch.zeros((blocks + 64, PAGE + 4096), dtype=torch.int8, device=device)}
+    rng = np.random.default_rng(0)
+    order = rng.permutation(blocks // BPC)  # chunks land at scattered places, each a run of 16 blocks
+    out = open(a.out, "a")
+    h = torch.frombuffer(pool.view(0), dtype=torch.int8)
+    d = torch.empty_like(h, device=device)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(a.chunks * a.rounds):
+        d.copy_(h, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = slot_bytes * a.chunks * a.rounds / (time.perf_counter() - began) / 1e9
+    print(f"plain pinned H2D, {slot_bytes >> 20} MiB copies: {h2d:.1f} GB/s")
+    out.write(json.dumps({"what": "h2d_28MiB", "gb_per_s": round(h2d, 2)}) + "\n")
+    for shape, kv in shapes.items():
+        for batched in (True, False):
+            copier = CudaCopier([kv], layout, batched=batched)
+            kind = "batched op" if copier._batch_op is not None else "torch copies"
+            if batched and copier._batch_op is None:
+                print("vLLM's swap_blocks_batch is not available here")
+            tasks = [CopyTask(slots[i % a.chunks], 0, np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64), 0)
+                     for i, c in enumerate(order)]
+            kv.zero_()
+            load_all(copier, tasks[:a.batch], a.batch)  # warm-up
+            kv.zero_()
+            seconds = load_all(copier, tasks, a.batch)
+            moved = len(tasks) * slot_bytes
+            bad = 0
+            for i, c in enumerate(order):  # every byte where it belongs
+                rows = kv[c * BPC:(c + 1) * BPC, :PAGE].reshape(-1).cpu()
+                bad += int(not torch.equal(rows, slots[i % a.chunks]))
+            copier.close()
+            rate = moved / seconds / 1e9
+            print(f"{shape:12s} {kind:13s} {rate:6.1f} GB/s  ({moved / 1e9:.1f} GB, {len(tasks)} storage blocks, "
+                  f"{bad} wrong)")
+            out.write(json.dumps({"what": "copier_load", "shape": shape, "copy": kind, "gb_per_s": round(rate, 2),
+                                  "bytes": moved, "blocks": len(tasks), "wrong_blocks": bad,
+                                  "vllm": compat.VLLM_VERSION}) + "\n")
+            if bad:
+                return 1
+    pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
