@@ -883,14 +883,16 @@ class Runner:
             base = self.loop_setup("cal", math.ceil(need * 1.15 / GIB) * GIB)
         else:
             base = os.path.join(self.disk_dir, "cal")
-        settings = {"staging_bytes": self.a.staging, "io_depth": self.a.io_depth, "open_ahead": self.a.open_ahead,
-                    "io_engine": self.a.io_engine}
+        settings = {"staging_bytes": "16M" if self.smoke else self.a.staging, "io_depth": self.a.io_depth,
+                    "open_ahead": self.a.open_ahead, "io_engine": self.a.io_engine}
         settings.update(item.split("=", 1) for item in self.a.pykv_set or [])
+        engine_args = {"load_format": "dummy", "max_num_batched_tokens": 8192, "gpu_memory_utilization": self.a.gpu_mem}
+        if self.smoke:
+            engine_args.update(block_size=32, gpu_memory_utilization=0.3)
         run = CalibrationRun(model=model, root=Path(base), lengths=lengths, tiers=self.a.cal_tiers.split(","),
-                             repeat=self.a.cal_repeat, block_tokens=CHUNK, settings=settings,
-                             engine_args={"load_format": "dummy", "max_num_batched_tokens": 8192,
-                                          "gpu_memory_utilization": self.a.gpu_mem},
-                             bandwidth_bytes=2 * GIB, check_gate=not self.a.no_cal_gate)
+                             repeat=self.a.cal_repeat, block_tokens=CHUNK, settings=settings, engine_args=engine_args,
+                             bandwidth_bytes=(64 << 20) if self.smoke else 2 * GIB,
+                             check_gate=not self.a.no_cal_gate, dram_bytes=(64 << 20) if self.smoke else None)
         if self.dry:
             print(f"  calibrate {shape} on {medium} ({base}): lengths {lengths}, tiers {run.tiers}, "
                   f"repeat {run.repeat}, settings {settings}")
