@@ -53,7 +53,12 @@ def calibrate_command(
                                                 help="Bytes written and read to measure the medium.")] = "1G",
     drop_caches: Annotated[Optional[bool], typer.Option(
         "--drop-caches/--no-drop-caches", show_default=False,
-        help="Drop the page cache before the disk engine (default: when root).")] = None,
+        help="Drop the page cache before the disk and gated engines (default: when root).")] = None,
+    check_gate: Annotated[bool, typer.Option(
+        "--check-gate/--no-check-gate",
+        help="After the disk engine, run every length through an engine gated by the fitted thresholds; check "
+             "that it is at most 5 % slower than the better of recompute and disk hit (needs the disk tier).")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Measure recompute and cache-hit TTFT per length and tier; write the break-even calibration file."""
@@ -73,7 +78,7 @@ def calibrate_command(
                          settings=parse_pairs("--set", settings or []),
                          dram_bytes=None if dram_bytes is None else parse_size(dram_bytes, field="--dram-bytes"),
                          bandwidth_bytes=parse_size(bandwidth_size, field="--bandwidth-size"),
-                         drop_caches=drop_caches)
+                         drop_caches=drop_caches, check_gate=check_gate)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True)) as bar:
         task = bar.add_task("calibrating", total=None)
@@ -117,9 +122,29 @@ def _render(out: Console, data: dict[str, Any]) -> None:
         verdict = ("never (every load refused)" if math.isinf(threshold) else
                    "0 (always load)" if threshold == 0 else f"{int(threshold):,} tokens")
         out.print(f"break-even {name}: {verdict}")
+    gate = data.get("gate_check")
+    if gate:
+        _render_gate(out, gate)
     files = data["files"]
     out.print(f"wrote {files['calibration']}" + (f" and {files['plot']}" if files["plot"] else "")
               + f"; serve with kv_connector_extra_config.breakeven_file={files['calibration']}")
+
+
+def _render_gate(out: Console, gate: dict[str, Any]) -> None:
+    """The gated engine per length against the better of recompute and disk hit, and the verdict."""
+    limit = f"{(gate['tolerance'] - 1) * 100:.0f} %"
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", f"within {limit}"]
+    rows = [[f"{p['tokens']:,}", _seconds(p["gated_s"]), _seconds(p["best_s"]), f"{p['ratio']:.2f}",
+             f"{p['admitted']}/{p['runs']}", "yes" if p["ok"] else "no"] for p in gate["points"]]
+    out.print(table("gate check: TTFT in seconds (medians) with the gate on; best = min(recompute, disk hit); "
+                    "loaded = runs that loaded", columns, rows, right=set(columns)))
+    if gate["all_ok"]:
+        out.print(f"gate check: gated pykv within {limit} of the better of recompute and disk hit at every length "
+                  f"(max {gate['max_ratio']:.2f})")
+        return
+    slow = [f"{p['tokens']:,}" for p in gate["points"] if not p["ok"]]
+    out.print(f"gate check: gated pykv more than {limit} slower than the better of recompute and disk hit at "
+              f"{len(slow)} of {len(gate['points'])} lengths ({', '.join(slow)} tokens; max {gate['max_ratio']:.2f})")
 
 
 def _seconds(value: float | None) -> str:

@@ -52,9 +52,10 @@ _pykv() {
                 --block-size) :; return ;;
                 --size) :; return ;;
                 --repeat) :; return ;;
+                --read-segment) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--path --depth --block-size --size --repeat --files --no-files --fio --no-fio --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--path --depth --block-size --size --repeat --files --no-files --fio --no-fio --read-segment --json --help" -- "$cur"))
             fi
             ;;
         config)
@@ -89,7 +90,7 @@ _pykv() {
                 --bandwidth-size) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--model --root --lengths --tiers --out --plot --no-plot --repeat --block-tokens --engine-arg --engine-args --set --dram-bytes --bandwidth-size --drop-caches --no-drop-caches --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--model --root --lengths --tiers --out --plot --no-plot --repeat --block-tokens --engine-arg --engine-args --set --dram-bytes --bandwidth-size --drop-caches --no-drop-caches --check-gate --no-check-gate --json --help" -- "$cur"))
             fi
             ;;
         warm)

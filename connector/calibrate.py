@@ -2,8 +2,8 @@
 
 ``run_calibration(CalibrationRun(...))`` returns a ``pykv.calibration.Calibration``
 (the caller saves it). The paper's procedure (§5.2), in three fresh engine
-processes (``python -m pykv.connector.calibrate PHASE.json EVENTS.jsonl``), GPU
-prefix caching off in all of them:
+processes (four with ``check_gate``; ``python -m pykv.connector.calibrate
+PHASE.json EVENTS.jsonl``), GPU prefix caching off in all of them:
 
 1. ``recompute`` - no connector: each length's prompt ``repeat`` times; every run
    prefills from scratch (what a refused load costs).
@@ -13,6 +13,12 @@ prefix caching off in all of them:
 3. ``disk`` - the page cache dropped (when root), then a fresh engine on the same
    tree without a DRAM tier: each prompt ``repeat`` times, each a disk hit (pykv
    reads with O_DIRECT where the filesystem takes it, bypassing the page cache).
+4. ``gated`` (``check_gate``) - the tiers fitted from phases 1-3 written to a
+   calibration file, the page cache dropped again, then a fresh engine like
+   ``disk`` but with that file as its ``breakeven_file``: each prompt ``repeat``
+   times, each either a full disk load (admitted) or a recompute (refused). The
+   calibration's ``gate_check`` compares it per length with the better of
+   recompute and disk hit (``ok``: at most ``GATE_TOLERANCE`` times that).
 
 The prompt for length L has L + 1 tokens, so a hit loads exactly L tokens and
 computes one; ``max_tokens=1``; TTFT is the wall time of ``LLM.generate``. Every
@@ -42,12 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pykv.calibration import TIERS, Calibration, fit_tiers
+from pykv.calibration import TIERS, Calibration, fit_tiers, median
 from pykv.errors import InputError, PykvError
 
 log = logging.getLogger(__name__)
 
-PHASES = ("recompute", "store", "disk")
+PHASES = ("recompute", "store", "disk", "gated")
+GATE_FILE = "gate.json"
+"""The gated engine's calibration file, in the work directory (written before that engine starts)."""
+GATE_TOLERANCE = 1.05
+"""The gated engine may be at most 5 % slower than the better of recompute and disk hit, at every length."""
 ENGINE_DEFAULTS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True,
                                    "enable_prefix_caching": False, "seed": 0}
 """``LLM(...)`` arguments every calibration engine gets unless ``engine_args`` say otherwise."""
@@ -75,7 +85,9 @@ class CalibrationRun:
     """DRAM tier of the store engine; None: 1.25 x the KV bytes of the longest prompt (from config.json)."""
     bandwidth_bytes: int = 1 << 30
     drop_caches: bool | None = None
-    """Drop the page cache before the disk engine; None: when running as root."""
+    """Drop the page cache before the disk (and gated) engine; None: when running as root."""
+    check_gate: bool = False
+    """After the disk engine, run each length through an engine gated by the fitted thresholds."""
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -84,6 +96,8 @@ class CalibrationRun:
             raise InputError("--lengths: no lengths to measure")
         if self.repeat < 1:
             raise InputError(f"--repeat: expected a positive integer, got {self.repeat}")
+        if self.check_gate and "disk" not in self.tiers:
+            raise InputError("--check-gate: needs the disk tier (--tiers disk or disk,dram)")
         for key in self.settings:
             if key in RESERVED_SETTINGS:
                 raise InputError(f"--set {key}: not allowed here ({RESERVED_SETTINGS[key]})")
@@ -117,33 +131,41 @@ def engine_kwargs(run: CalibrationRun) -> dict[str, Any]:
     return kwargs
 
 
-def plan_phases(run: CalibrationRun, scratch: Path, dram_bytes: int) -> list[Phase]:
-    """The engines and requests of a calibration (``dram_bytes``: the store engine's DRAM tier)."""
+def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int) -> list[Phase]:
+    """The engines and requests of a calibration (``dram_bytes``: the store engine's DRAM tier;
+    ``work``: the work directory, where the gated engine's calibration file ``GATE_FILE`` will be)."""
     from pykv.connector.config import PykvConfig
+
+    warm = min(run.lengths)
+    reps = range(run.repeat)
 
     def measure(path: str, tokens: int, rep: int, warmup: bool = False) -> dict[str, Any]:
         return {"op": "measure", "path": path, "tokens": tokens, "rep": rep, "seed": 1 if warmup else 0,
                 "warmup": warmup}
 
-    def pykv(dram: int) -> dict[str, Any]:
-        extra = {"root": str(scratch), **run.settings, "dram_bytes": dram}
+    def pykv(dram: int, **gate: str) -> dict[str, Any]:
+        extra = {"root": str(scratch), **run.settings, "dram_bytes": dram, **gate}
         return PykvConfig.from_extra_config(extra).to_kv_transfer_config(run.block_tokens)
 
-    warm = min(run.lengths)
-    reps = range(run.repeat)
+    def repeated(path: str) -> list[dict[str, Any]]:
+        """One unmeasured warm-up request, then each length ``repeat`` times."""
+        return [measure(path, warm, 0, True)] + [measure(path, n, r) for n in run.lengths for r in reps]
+
     dram = "dram" in run.tiers
-    recompute = [measure("recompute", warm, 0, True)] + [measure("recompute", n, r) for n in run.lengths for r in reps]
+    recompute = repeated("recompute")
     store = [measure("cold", warm, 0, True), {"op": "settle", "tokens": warm}]
     store += [measure("dram", warm, 0, True)] if dram else []
     for n in run.lengths:
         store += [measure("cold", n, 0), {"op": "settle", "tokens": n}]
         store += [measure("dram", n, r) for r in reps] if dram else []
-    disk = [measure("disk", warm, 0, True)] + [measure("disk", n, r) for n in run.lengths for r in reps]
     base = engine_kwargs(run)
     phases = [Phase("recompute", base, recompute),
               Phase("store", {**base, "kv_transfer_config": pykv(dram_bytes if dram else 0)}, store)]
     if "disk" in run.tiers:
-        phases.append(Phase("disk", {**base, "kv_transfer_config": pykv(0)}, disk))
+        phases.append(Phase("disk", {**base, "kv_transfer_config": pykv(0)}, repeated("disk")))
+    if run.check_gate:
+        gated = pykv(0, breakeven_file=str(work / GATE_FILE))
+        phases.append(Phase("gated", {**base, "kv_transfer_config": gated}, repeated("gated")))
     return phases
 
 
@@ -186,7 +208,7 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
     work = Path(tempfile.mkdtemp(prefix="pykv-calibrate-"))
     scratch = Path(tempfile.mkdtemp(prefix=".pykv-calibrate-", dir=run.root))
     try:
-        phases = plan_phases(run, scratch, dram_bytes or 0)
+        phases = plan_phases(run, scratch, work, dram_bytes or 0)
         total = sum(p.units for p in phases) + 1
         done = 0
         if progress:
@@ -196,10 +218,17 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
         done += 1
         samples: list[dict[str, Any]] = []
         engines: dict[str, dict[str, Any]] = {}
-        dropped: str | None = None
+        dropped: dict[str, str | None] = {}  # phase -> page cache outcome before it
+
+        def assemble() -> Calibration:
+            return _assemble(run, samples, engines, direct=direct, direct_note=direct_note, bandwidth=bandwidth,
+                             dropped=dropped, dram_bytes=dram_bytes, per_token=per_token)
+
         for phase in phases:
-            if phase.name == "disk":
-                dropped = drop_caches(run.drop_caches)
+            if phase.name == "gated":  # the thresholds fitted so far, as the gated engine will read them
+                assemble().save(work / GATE_FILE)
+            if phase.name in ("disk", "gated"):
+                dropped[phase.name] = drop_caches(run.drop_caches)
             with contextlib.closing(_run_phase(run, phase, work)) as events:
                 for event in events:
                     done += 1
@@ -207,15 +236,14 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
                         engines[phase.name] = event
                         description = f"{phase.name} engine started in {event['seconds']:.0f} s"
                     else:
-                        _check_sample(event, run.block_tokens)
+                        event = _check_sample(event, run.block_tokens)
                         if not event["warmup"]:
                             samples.append(event)
                         description = (f"{phase.name}: {event['path']} {event['tokens']:,} tokens, "
                                        f"{event['seconds']:.3f} s")
                     if progress:
                         progress(description, done, total)
-        calibration = _assemble(run, samples, engines, direct=direct, direct_note=direct_note, bandwidth=bandwidth,
-                                dropped=dropped, dram_bytes=dram_bytes, per_token=per_token)
+        calibration = assemble()
     except KeyboardInterrupt:
         shutil.rmtree(work, ignore_errors=True)  # interrupted on purpose: no logs to keep
         raise
@@ -360,35 +388,74 @@ def _last_error(log_path: Path) -> str:
     return f": {chosen[0][:400]}" if chosen else ""
 
 
-def _check_sample(event: dict[str, Any], block_tokens: int) -> None:
-    """A hit must have loaded all its tokens from the tier measured; a recompute nothing."""
+def _check_sample(event: dict[str, Any], block_tokens: int) -> dict[str, Any]:
+    """A hit must have loaded all its tokens from the tier measured; a recompute nothing; a gated
+    run either all from disk or nothing. Returns the sample, a gated one with ``admitted``."""
     path, tokens, cached = event["path"], event["tokens"], event["cached_tokens"]
     loaded = event.get("loaded", {})
     if path in ("recompute", "cold"):
         if cached:
             raise PykvError(f"{path} run at {tokens:,} tokens reused {cached} tokens; GPU prefix caching must be off "
                             f"(do not pass enable_prefix_caching=true)")
-        return
-    other = "disk" if path == "dram" else "dram"
-    if cached != tokens or loaded.get(path, 0) != tokens // block_tokens or loaded.get(other, 0):
+        return event
+    tier = "disk" if path == "gated" else path
+    other = "disk" if tier == "dram" else "dram"
+    full = cached == tokens and loaded.get(tier, 0) == tokens // block_tokens and not loaded.get(other, 0)
+    if path == "gated":
+        if not full and (cached or any(loaded.values())):
+            raise PykvError(f"gated run at {tokens:,} tokens {_loads(cached, loaded)}; expected all from disk "
+                            f"(admitted) or none (refused)")
+        return {**event, "admitted": full}
+    if not full:
         hint = " (raise --dram-bytes)" if path == "dram" else ""
-        raise PykvError(f"{path} hit at {tokens:,} tokens loaded {cached} tokens ({loaded.get('disk', 0)} blocks from "
-                        f"disk, {loaded.get('dram', 0)} from DRAM); expected all from {path}{hint}")
+        raise PykvError(f"{path} hit at {tokens:,} tokens {_loads(cached, loaded)}; expected all from {path}{hint}")
+    return event
+
+
+def _loads(cached: int, loaded: dict[str, int]) -> str:
+    return f"loaded {cached} tokens ({loaded.get('disk', 0)} blocks from disk, {loaded.get('dram', 0)} from DRAM)"
+
+
+def summarize_gate(samples: list[dict[str, Any]], tolerance: float = GATE_TOLERANCE) -> dict[str, Any] | None:
+    """Per length, the gated engine's median TTFT against the better of recompute and disk hit
+    (medians as fitted; ``ok``: at most ``tolerance`` times the better); None without gated samples."""
+    gated: dict[int, list[dict[str, Any]]] = {}
+    for sample in samples:
+        if sample["path"] == "gated":
+            gated.setdefault(int(sample["tokens"]), []).append(sample)
+    if not gated:
+        return None
+    disk = {p["tokens"]: p for p in fit_tiers(samples, ["disk"])[0]["disk"].points}
+    points = [_gate_point(tokens, runs, disk[tokens]["recompute_s"], disk[tokens]["hit_s"], tolerance)
+              for tokens, runs in sorted(gated.items())]
+    return {"tolerance": tolerance, "points": points, "max_ratio": max(p["ratio"] for p in points),
+            "all_ok": all(p["ok"] for p in points)}
+
+
+def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, disk_s: float,
+                tolerance: float) -> dict[str, Any]:
+    """One length of ``gate_check``; ``admitted``: how many of the gated runs loaded (the rest recomputed)."""
+    seconds = [float(run["seconds"]) for run in runs]
+    gated_s, best_s = median(seconds), min(recompute_s, disk_s)
+    ratio = gated_s / best_s
+    return {"tokens": tokens, "gated_s": round(gated_s, 6), "recompute_s": recompute_s, "disk_s": disk_s,
+            "best_s": best_s, "ratio": round(ratio, 4), "admitted": sum(1 for run in runs if run["admitted"]),
+            "runs": len(runs), "ok": ratio <= tolerance, "gated_samples": seconds}
 
 
 def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,
-              direct: bool, direct_note: str, bandwidth: float | None, dropped: str | None, dram_bytes: int | None,
-              per_token: int | None) -> Calibration:
+              direct: bool, direct_note: str, bandwidth: float | None, dropped: dict[str, str | None],
+              dram_bytes: int | None, per_token: int | None) -> Calibration:
+    """The calibration of the samples so far (``dropped``: phase -> page cache outcome before it)."""
     store = engines["store"]["engine"]
     namespace = store.get("namespace") or {}
     if not namespace:
         raise PykvError("the store engine created no namespace in the scratch tree; is pykv loaded?")
     page_cache = "bypassed (O_DIRECT reads)" if direct else "not bypassed (buffered reads)"
-    if dropped:
-        page_cache += f"; {dropped} before the disk engine"
-    if not direct and dropped != "dropped" and "disk" in run.tiers:
+    page_cache += "".join(f"; {outcome} before the {name} engine" for name, outcome in dropped.items() if outcome)
+    if not direct and dropped.get("disk") != "dropped" and "disk" in run.tiers:
         log.warning("pykv: disk hits may have come from the page cache (%s; caches %s)", direct_note,
-                    dropped or "not dropped: not root")
+                    dropped.get("disk") or "not dropped: not root")
     tiers, recompute, cold = fit_tiers(samples, run.tiers)
     details = {
         "storage_block_tokens": run.block_tokens,
@@ -400,6 +467,8 @@ def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[
                    "cold": "first run in the store engine: prefill + store (not used for the fit)",
                    "dram": f"second and later runs in the store engine, DRAM tier {dram_bytes or 0} bytes",
                    "disk": "fresh engine without DRAM tier on the same tree",
+                   **({"gated": "fresh engine like disk, break-even gate from the tiers fitted here"}
+                      if run.check_gate else {}),
                    "fit": "piecewise-linear gain recompute_s - hit_s; last crossing from negative to >= 0",
                    "engine_start_s": {name: e["seconds"] for name, e in engines.items()}},
         "engine_args": run.engine_args,
@@ -407,6 +476,9 @@ def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[
         "recompute": {"points": recompute},
         "cold": {"points": cold},
     }
+    gate_check = summarize_gate(samples)
+    if gate_check is not None:
+        details["gate_check"] = gate_check
     return Calibration(model=namespace["model"], dtype=namespace["dtype"], kv_layout=namespace["kv_layout"],
                        tiers=tiers, namespace=namespace.get("id"), gpu=store.get("gpu", ""),
                        vllm_version=store.get("vllm_version", ""),

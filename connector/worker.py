@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pykv.errors import FormatError
 from pykv.io.probe import direct_io_supported, open_backend
+from pykv.policy import Kind
 from pykv.reactor import (FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock,
-                          backend_depth)
+                          backend_depth, slot_header)
 from pykv.staging import StagingPool
 from pykv.tree import KVTree, TreeOptions
 
@@ -137,7 +139,10 @@ class PykvWorker(OffloadingWorker):
         blocks = [LoadBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
                             self.layout.geometry(c.group), **self._slot_args(c)) for c in chunks]
         self.counters["load_jobs"] += 1
-        self._start(job, blocks, owner=getattr(src_spec, "req_id", None))
+        if chunks and all(c.resident for c in chunks):
+            self._load_resident(job, blocks)
+        else:
+            self._start(job, blocks, owner=getattr(src_spec, "req_id", None))
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PykvStoreSpec) -> bool:
@@ -265,6 +270,53 @@ class PykvWorker(OffloadingWorker):
             self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
             self._lock.notify_all()
 
+    # -- DRAM-tier loads (engine thread) ----------------------------------------------------------
+    def _load_resident(self, job: _Job, blocks: list[LoadBlock]) -> None:
+        """A load served wholly by the DRAM tier: no I/O, so it skips the reactor.
+
+        Each slot's header is checked here and all blocks go to the copier as one batch
+        (one batched copy on CUDA), like vLLM's CPU tier; the job ends when the copy does.
+        Handing DRAM hits through the reactor cost thread hand-offs per delivery batch (each
+        waits for the GIL the busy engine thread holds) and made 80k-token hits 2.4x slower
+        than the native CPU tier on the H200 (docs/benchmarks.md). The slots are safe to read:
+        the manager pinned these keys in ``prepare_load`` until ``complete_load``.
+        """
+        with self._lock:
+            self._jobs[job.job_id] = job
+        result = JobResult(job.job_id, Kind.LOAD, len(blocks))
+        tasks, sizes = [], {}
+        for index, (chunk, block) in enumerate(zip(job.chunks, blocks)):
+            try:
+                header = slot_header(self.pool, chunk.slot, block)
+            except FormatError as exc:
+                result.failed[index] = exc.reason
+                continue
+            sizes[index] = header.file_size
+            tasks.append(CopyTask(self._payload(chunk.slot, header.payload_length), chunk.group, chunk.gpu_ids,
+                                  chunk.skip, token=index, after=job.ready))
+        remaining = [len(tasks)]
+
+        def copied(task: CopyTask, ok: bool) -> None:  # copier thread (CUDA) or this thread
+            with self._lock:
+                if not ok:
+                    job.copy_failed.add(task.token)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._finish_resident(job, result, sizes)
+
+        if tasks:
+            self.copier.from_slots(tasks, copied)
+        else:
+            self._finish_resident(job, result, sizes)
+
+    def _finish_resident(self, job: _Job, result: JobResult, sizes: dict[int, int]) -> None:
+        delivered = [size for index, size in sizes.items() if index not in job.copy_failed]
+        result.bytes, result.seconds = sum(delivered), time.monotonic() - job.started
+        self.counters["dram_delivered_blocks"] += len(delivered)
+        self.counters["dram_delivered_bytes"] += result.bytes
+        self._on_job_done(result)
+
     # -- reactor callbacks (reactor thread) -------------------------------------------------------
     def _payload(self, slot: int, length: int) -> torch.Tensor:
         from pykv.format import HEADER_SIZE
@@ -359,4 +411,7 @@ class PykvWorker(OffloadingWorker):
     def _write_stats(self) -> None:
         with self._lock:
             in_flight = len(self._jobs) + len(self._finished)
-        self._stats_file.write({**self.counters, **self.reactor.stats, "jobs_in_flight": in_flight})
+        stats = {**self.counters, **self.reactor.stats, "jobs_in_flight": in_flight}
+        for key in ("delivered_blocks", "delivered_bytes"):  # the reactor's and the DRAM fast path's
+            stats[key] += self.counters[f"dram_{key}"]
+        self._stats_file.write(stats)

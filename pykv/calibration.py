@@ -395,7 +395,8 @@ class BreakEvenGate:
 
 # -- presentation --------------------------------------------------------------------------
 def save_plot(calibration: Calibration, path: str | os.PathLike[str]) -> Path:
-    """TTFT against prefix length for recomputation and each tier's hits, break-even marked; PNG."""
+    """TTFT against prefix length for recomputation, each tier's hits and the gate check's gated runs
+    (when measured), break-even marked; PNG."""
     import io
 
     import matplotlib
@@ -416,6 +417,10 @@ def save_plot(calibration: Calibration, path: str | os.PathLike[str]) -> Path:
                          label=f"{name} break-even {int(threshold):,} tokens")
     xs = sorted(recompute)
     axes.plot(xs, [recompute[x] for x in xs], marker="s", color="black", label="recompute")
+    gated = calibration.details.get("gate_check", {}).get("points", [])
+    if gated:
+        axes.plot([p["tokens"] for p in gated], [p["gated_s"] for p in gated], marker="^", linestyle=":",
+                  color="grey", label="gated (disk, gate on)")
     axes.set_xscale("log", base=2)
     axes.set_xticks(xs, [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in xs])
     axes.minorticks_off()

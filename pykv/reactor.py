@@ -176,6 +176,20 @@ took; ``preload_wasted_bytes`` bytes preloaded and never claimed; ``slots_high``
 ``preload_slots_high`` the most ledger slots held at once, by anyone / by preloads."""
 
 
+def slot_header(pool: StagingPool, slot: int, block: LoadBlock) -> BlockHeader:
+    """The header in ``slot``, checked against what ``block`` expects; ``FormatError`` if it differs."""
+    header = decode_header(pool.view(slot)[:HEADER_SIZE], path=block.path)
+    if header.namespace != block.namespace:
+        raise FormatError(block.path, "header names another namespace")
+    if header.key != block.key:
+        raise FormatError(block.path, "header names another block key")
+    if block.geometry is not None and header.geometry != block.geometry:
+        raise FormatError(block.path, f"geometry {header.geometry} differs from expected {block.geometry}")
+    if header.file_size > pool.slot_bytes:
+        raise FormatError(block.path, f"block of {header.file_size} bytes exceeds the slot size")
+    return header
+
+
 class Reactor:
     """Runs the I/O pipeline on its own thread; all public methods are thread-safe."""
 
@@ -487,17 +501,7 @@ class Reactor:
         self.policy.read_done(tid, ok=error is None)
 
     def _check_header(self, t: _Transfer) -> BlockHeader:
-        block = t.block
-        header = decode_header(self.pool.view(t.slot)[:HEADER_SIZE], path=block.path)
-        if header.namespace != block.namespace:
-            raise FormatError(block.path, "header names another namespace")
-        if header.key != block.key:
-            raise FormatError(block.path, "header names another block key")
-        if block.geometry is not None and header.geometry != block.geometry:
-            raise FormatError(block.path, f"geometry {header.geometry} differs from expected {block.geometry}")
-        if header.file_size > self.pool.slot_bytes:
-            raise FormatError(block.path, f"block of {header.file_size} bytes exceeds the slot size")
-        return header
+        return slot_header(self.pool, t.slot, t.block)
 
     def _check_size(self, t: _Transfer) -> None:
         """The file must be exactly as long as its header says (an fstat: no I/O)."""

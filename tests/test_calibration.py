@@ -1,4 +1,5 @@
-"""The calibration file, the break-even fit and lengths parsing (pykv/calibration.py)."""
+"""The calibration file, the break-even fit and lengths parsing (pykv/calibration.py), and the gate
+check's sample checks and summary (connector/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pykv.calibration import (
     save_plot,
     write_atomically,
 )
-from pykv.errors import InputError
+from pykv.connector.calibrate import _check_sample, summarize_gate
+from pykv.errors import InputError, PykvError
 
 
 def points(*rows: tuple[int, float, float]) -> list[Point]:
@@ -227,3 +229,88 @@ def test_plot_is_a_png(tmp_path):
     path = save_plot(calibration(), tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+# -- the gate check (connector/calibrate.py) -------------------------------------------------
+def gated(tokens: int, cached: int, disk: int = 0, dram: int = 0) -> dict:
+    return {"event": "sample", "path": "gated", "tokens": tokens, "rep": 0, "warmup": False, "seconds": 0.1,
+            "cached_tokens": cached, "loaded": {"disk": disk, "dram": dram}}
+
+
+def test_gated_sample_is_admitted_when_it_loaded_everything_from_disk():
+    sample = _check_sample(gated(1024, 1024, disk=4), block_tokens=256)
+    assert sample["admitted"] is True and sample["seconds"] == 0.1
+
+
+def test_gated_sample_is_refused_when_it_loaded_nothing():
+    assert _check_sample(gated(1024, 0), block_tokens=256)["admitted"] is False
+
+
+@pytest.mark.parametrize("sample", [gated(1024, 512, disk=2), gated(1024, 1024, disk=3),
+                                    gated(1024, 1024, disk=4, dram=1), gated(1024, 0, disk=2),
+                                    gated(1024, 1024, dram=4)], ids=["half", "short", "dram-too", "blocks-no-tokens",
+                                                                     "from-dram"])
+def test_partial_or_foreign_gated_loads_are_errors(sample):
+    with pytest.raises(PykvError, match=r"^gated run at 1,024 tokens loaded .*expected all from disk \(admitted\) "
+                                        r"or none \(refused\)"):
+        _check_sample(sample, block_tokens=256)
+
+
+def test_other_paths_keep_their_checks():
+    disk = {**gated(512, 512, disk=2), "path": "disk"}
+    assert "admitted" not in _check_sample(disk, block_tokens=256)
+    with pytest.raises(PykvError, match="^disk hit at 512 tokens loaded 0 tokens"):
+        _check_sample({**gated(512, 0), "path": "disk"}, block_tokens=256)
+    with pytest.raises(PykvError, match=r"dram hit .*expected all from dram \(raise --dram-bytes\)"):
+        _check_sample({**gated(512, 512, disk=2), "path": "dram"}, block_tokens=256)
+    with pytest.raises(PykvError, match="recompute run at 512 tokens reused 256 tokens"):
+        _check_sample({**gated(512, 256), "path": "recompute"}, block_tokens=256)
+
+
+def runs(path: str, tokens: int, *seconds: float, admitted: bool | None = None) -> list[dict]:
+    extra = {} if admitted is None else {"admitted": admitted}
+    return [{"path": path, "tokens": tokens, "seconds": s, **extra} for s in seconds]
+
+
+def test_gate_check_compares_the_gated_median_with_the_better_path():
+    samples = (runs("recompute", 256, 0.10, 0.12, 0.11) + runs("disk", 256, 0.20, 0.21, 0.19)
+               + runs("gated", 256, 0.50, 0.115, 0.11, admitted=False)           # median 0.115 / 0.11
+               + runs("recompute", 512, 0.30, 0.30, 0.30) + runs("disk", 512, 0.10, 0.12, 0.11)
+               + runs("gated", 512, 0.2, 0.2, admitted=True) + runs("gated", 512, 0.01, admitted=False)  # 0.2 / 0.11
+               + runs("cold", 512, 9.0) + runs("dram", 512, 0.01))               # not part of the check
+    check = summarize_gate(samples)
+    short, long = check["points"]
+    assert (short["tokens"], short["recompute_s"], short["disk_s"], short["best_s"]) == (256, 0.11, 0.2, 0.11)
+    assert short["gated_s"] == 0.115 and short["ratio"] == round(0.115 / 0.11, 4) == 1.0455 and short["ok"] is True
+    assert (short["admitted"], short["runs"], short["gated_samples"]) == (0, 3, [0.50, 0.115, 0.11])
+    assert (long["best_s"], long["gated_s"], long["ratio"], long["ok"]) == (0.11, 0.2, 1.8182, False)
+    assert (long["admitted"], long["runs"]) == (2, 3)
+    assert check["max_ratio"] == 1.8182 and check["all_ok"] is False and check["tolerance"] == 1.05
+    assert json.loads(json.dumps(check)) == check  # goes into the file as it is
+
+
+def test_gate_check_tolerance_is_inclusive_and_absent_without_gated_runs():
+    base = runs("recompute", 256, 1.0) + runs("disk", 256, 2.0)
+    at_limit = summarize_gate(base + runs("gated", 256, 1.05, admitted=False))
+    over = summarize_gate(base + runs("gated", 256, 1.06, admitted=False))
+    assert at_limit["all_ok"] is True and at_limit["max_ratio"] == 1.05
+    assert over["all_ok"] is False and over["points"][0]["ok"] is False
+    assert summarize_gate(base) is None
+
+
+def test_gate_check_round_trips_through_the_file(tmp_path):
+    check = summarize_gate(runs("recompute", 256, 1.0) + runs("disk", 256, 0.5) + runs("gated", 256, 0.5,
+                                                                                           admitted=True))
+    path = calibration(details={"storage_block_tokens": 256, "gate_check": check}).save(tmp_path / "cal.json")
+    data = json.loads(path.read_text())
+    assert data["pykv_calibration"] == 1 and data["gate_check"] == check
+    assert Calibration.load(path).details["gate_check"] == check
+
+
+def test_plot_shows_the_gated_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    check = summarize_gate(runs("recompute", 1024, 0.1) + runs("disk", 1024, 0.3) + runs("gated", 1024, 0.1,
+                                                                                            admitted=False))
+    path = save_plot(calibration(details={"gate_check": check}), tmp_path / "plot.png")
+    plain = save_plot(calibration(), tmp_path / "plain.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.read_bytes() != plain.read_bytes()

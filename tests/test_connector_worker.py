@@ -148,6 +148,34 @@ def test_dram_hit_reads_no_disk(rig):
     assert all(bool((layer[40:52] == 7).all()) for layer in kv)
 
 
+def test_dram_hit_skips_the_reactor_and_a_bad_slot_fails_only_its_blocks(rig):
+    """A wholly resident load is copied from the engine thread in one batch; a slot whose header
+    names another key (e.g. reused by mistake) is refused from its first block on, never copied."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    for layer in kv:
+        layer[:12].fill_(5)
+    ks = keys(3, salt=9)
+    out = manager.prepare_store(ks, ctx)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), out.store_spec)
+    run(worker, 1)
+    manager.complete_store(ks, ctx)
+    spec = manager.prepare_load(ks, ctx)
+    assert spec.resident == (True, True, True)
+    reactor_delivered = worker.reactor.stats["delivered_blocks"]
+    slot = worker.dram_base + spec.dram_slots[1]
+    worker.pool.view(slot)[HEADER_SIZE - 64] ^= 0xFF  # header bytes: its checksum no longer matches
+    worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
+    failed, report = run(worker, 2)
+    manager.complete_load(ks, ctx)
+    assert failed == set(range(44, 52))  # chunk 1 and everything after it is recomputed
+    assert report.failed_loads == [ks[1]]
+    assert bool((kv[0][40:44] == 5).all()) and not bool((kv[0][44:48] == 5).any())  # chunk 1 not copied
+    assert worker.reactor.stats["delivered_blocks"] == reactor_delivered  # no reactor round trip
+    assert worker.counters["dram_delivered_blocks"] == 2
+    assert worker.counters["load_blocks_dram"] == 2 and worker.counters["load_blocks_failed_dram"] == 1
+
+
 def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     manager, worker, kv = rig()
     ctx = ReqContext("r")
