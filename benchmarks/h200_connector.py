@@ -23,6 +23,11 @@ Stages (each fits in one 10-minute device command; benchmarks/h200_run.sh STAGE)
   C  pykv on a loop device in /dev/shm: O_DIRECT bandwidth, then as B
   D  vLLM's native fs tier (TieringOffloadingSpec) on a loop device: fill
      engine, page cache dropped, fresh engine query
+  M  DRAM hits side by side: native CPU tier, then pykv with a DRAM tier (one
+     engine: fill, then two DRAM-served queries per document)
+  L  loop device bandwidth sweep: request sizes, depths, split reactor reads
+  K  `pykv calibrate` (library call) for --cal-shape on --cal-medium, with the
+     gated sweep
 
 pykv's load bandwidth is bytes / seconds of the request's load job (submission
 to the reactor until the last byte is on the GPU), counted by a benchmark
@@ -865,6 +870,27 @@ class Runner:
             if not self.dry:
                 self.loop_teardown_all()
 
+    def stage_M(self) -> None:
+        """DRAM hits only, side by side: vLLM's native CPU tier, then pykv with a DRAM tier (one engine:
+        fill, which stores through DRAM slots, then two queries per document served from DRAM; the
+        tree lives in /dev/shm, the loads read no file)."""
+        self.phase_env()
+        self.phase_native_cpu()
+        root = os.path.join(self.a.shm, "pykv-h200-dram-tree")
+        need = tree_bytes(self.lengths, self.docs, self.info()["kv_bytes_per_token"])
+        dram = 64 << 20 if self.smoke else min(int(need * 1.1) + GIB, int(self.a.dram_max_gib * GIB))
+        if not self.dry:
+            shutil.rmtree(root, ignore_errors=True)
+            self.ensure_shm(need + GIB)
+        try:
+            self.engine("pykv-dram", system="pykv", medium="shm", variant="header",
+                        steps=[{"op": "fill"}, {"op": "settle", "timeout": 300},
+                               {"op": "query", "phases": ["dram", "dram"]}],
+                        ktc=self.pykv_ktc(root, dram_bytes=dram, verify="header"), stats=True, docs=self.docs)
+        finally:
+            if not self.dry:
+                shutil.rmtree(root, ignore_errors=True)
+
     def stage_K(self) -> None:
         """``pykv calibrate`` (the library call) for one model shape on one medium, with the gated sweep."""
         from pykv.connector.calibrate import CalibrationRun, run_calibration
@@ -979,10 +1005,10 @@ class Runner:
             log(f"stage {s}: {'FAILED' if error else 'done'} in {time.perf_counter() - t:.0f} s")
 
 
-STAGES = ("A", "B", "C", "D", "L", "K")
+STAGES = ("A", "B", "C", "D", "L", "K", "M")
 # Seconds the required (non-optional) part of each stage takes on the H200 host, roughly: an
 # optional engine runs only when this much is left for the stages after it.
-STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400}
+STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400, "M": 180}
 
 
 def parse_stages(text: str) -> list[str]:
@@ -1068,7 +1094,7 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         return max(vals) if vals else None
 
     h2d = bw_of(None, "h2d")
-    media = [m for m in ("virtio", "loop") if any(r.get("medium") == m for r in ttft + bws)]
+    media = [m for m in ("virtio", "loop", "shm") if any(r.get("medium") == m for r in ttft + bws)]
     text, md, summary, warnings = [], [], {"media": {}, "h2d_gb_per_s": h2d}, []
     header = ["length", "recompute", "pykv fill", "pykv disk hit", "pykv disk hit (full)", "pykv DRAM hit", "native CPU",
               "native fs", "pykv load GB/s", "pykv e2e GB/s", "pykv load GB/s (full)", "DRAM load GB/s", "O_DIRECT GB/s",
@@ -1120,7 +1146,8 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         head = [header[i] for i in keep]
         body = [[row[i] for i in keep] for row in rows]
         widths = [max(len(head[j]), *(len(b[j]) for b in body)) for j in range(len(head))]
-        title = {"virtio": "virtio disk", "loop": "loop device in /dev/shm"}[medium]
+        title = {"virtio": "virtio disk", "loop": "loop device in /dev/shm",
+                 "shm": "DRAM hits (pykv tree in /dev/shm)"}[medium]
         text.append(f"== {title}: TTFT in seconds (median over documents), bandwidth in GB/s ==")
         text.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
         for b in body:

@@ -83,7 +83,9 @@ if [ "${PYKV_COPY_CHECK:-0}" = 1 ]; then
 fi
 
 # 5. the stage
-python3 benchmarks/h200_connector.py stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
+SCRIPT=benchmarks/h200_connector.py
+case "$STAGE" in P*) SCRIPT=benchmarks/h200_preload.py ;; esac  # P40, P80: the preloading bursts
+python3 "$SCRIPT" stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
     --deadline-at $(( T0 + BUDGET )) "$@"
 rc=$?
 
