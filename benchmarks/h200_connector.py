@@ -923,6 +923,7 @@ class Runner:
             print(f"  calibrate {shape} on {medium} ({base}): lengths {lengths}, tiers {run.tiers}, "
                   f"repeat {run.repeat}, settings {settings}")
             return
+        os.chdir(self.work)  # its engines run `python -m pykv.connector.calibrate`: not the repo's pykv/ from cwd
         try:
             calibration = run_calibration(run, progress=lambda what, done, total: log(f"[{done}/{total}] {what}"))
         except Exception:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -169,6 +171,7 @@ class CudaCopier(TorchCopier):
                  batched: bool = True) -> None:
         super().__init__(tensors, layout)
         self._batch_op = compat.batched_copy_op() if batched else None
+        self.stats: Counter[str] = Counter()  # h2d_* timings of load batches (from_slots)
         self.device = self.tensors[0].device
         self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
         self._next_stream = 0
@@ -203,11 +206,15 @@ class CudaCopier(TorchCopier):
                 log.exception("pykv: device-to-host copy failed")
                 done(task, False)
                 continue
-            self._pending.put(([task], event, done, keep))
+            self._pending.put(([task], event, done, keep, None))
 
     def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        """One batch on the load stream; ``stats`` get its host time, device time and wall time
+        (``h2d_*_us``: issue = building and submitting it, gpu = the copies between CUDA events,
+        wall = from this call to the end event seen by the poller)."""
         if not tasks:
             return
+        called = time.perf_counter()
         stream = self._load_stream
         try:
             markers = {id(t.after): t.after for t in tasks if t.after is not None}
@@ -216,15 +223,20 @@ class CudaCopier(TorchCopier):
             if any(t.after is None for t in tasks):
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(stream)
                 keep = self._issue(tasks, to_slot=False)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
         except Exception:  # noqa: BLE001
             log.exception("pykv: host-to-device copy failed")
             for task in tasks:
                 done(task, False)
             return
-        self._pending.put((list(tasks), event, done, keep))
+        self.stats["h2d_batches"] += 1
+        self.stats["h2d_entries"] += len(keep[0]) if keep else sum(len(t.gpu_ids) for t in tasks)
+        self.stats["h2d_issue_us"] += int((time.perf_counter() - called) * 1e6)
+        self._pending.put((list(tasks), event, done, keep, (began, called)))
 
     def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
         """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.
@@ -249,8 +261,12 @@ class CudaCopier(TorchCopier):
             item = self._pending.get()
             if item is None:
                 return
-            tasks, event, done, _keep = item
+            tasks, event, done, _keep, timing = item
             event.synchronize()  # blocks this thread only; releases the GIL
+            if timing is not None:
+                began, called = timing
+                self.stats["h2d_gpu_us"] += int(began.elapsed_time(event) * 1e3)
+                self.stats["h2d_wall_us"] += int((time.perf_counter() - called) * 1e6)
             for task in tasks:
                 done(task, True)
 

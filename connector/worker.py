@@ -411,7 +411,8 @@ class PykvWorker(OffloadingWorker):
     def _write_stats(self) -> None:
         with self._lock:
             in_flight = len(self._jobs) + len(self._finished)
-        stats = {**self.counters, **self.reactor.stats, "jobs_in_flight": in_flight}
+        stats = {**self.counters, **self.reactor.stats, **getattr(self.copier, "stats", {}),
+                 "jobs_in_flight": in_flight}
         for key in ("delivered_blocks", "delivered_bytes"):  # the reactor's and the DRAM fast path's
             stats[key] += self.counters[f"dram_{key}"]
         self._stats_file.write(stats)
