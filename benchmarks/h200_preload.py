@@ -158,6 +158,8 @@ class PreloadRunner(hc.Runner):
 
     def engine_kwargs(self) -> dict:
         kw = super().engine_kwargs()
+        if self.a.max_num_seqs:  # requests beyond it wait in vLLM's queue: the wait preloading can use
+            kw["max_num_seqs"] = self.a.max_num_seqs
         if self.smoke:
             kw.update(max_num_batched_tokens=512, gpu_memory_utilization=0.05)
         return kw
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--burst-docs", type=int, default=4, help="stored documents the hits reuse")
+    p.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs in every engine (e.g. 2 with "
+                   "--concurrency 8: six requests wait in vLLM's queue, where preloading can start their reads)")
     hc.add_run_options(p)
     p = sub.add_parser("burst", help="(internal) one engine: warm-up, then the burst")
     p.add_argument("config")
