@@ -88,3 +88,15 @@ def test_a_batch_of_tasks_is_one_list():
 def test_empty_batch():
     entries = copy_descriptors([], _kv_tensors(0), LAYOUT, to_slot=False)
     assert len(entries) == 0 and entries.total_bytes == 0
+
+
+def test_runs_never_span_two_tasks():
+    """Ids that continue from one chunk into the next live in different slots: two entries."""
+    before, after = _kv_tensors(7), _kv_tensors(7)
+    tasks = [CopyTask(_payload(0, 8), 0, np.array([4, 5, 6, 7]), 0), CopyTask(_payload(0, 9), 0, np.array([8, 9]), 2)]
+    TorchCopier(before, LAYOUT).from_slots(tasks, lambda t, ok: None)
+    entries = copy_descriptors(tasks, after, LAYOUT, to_slot=False)
+    _apply(entries)
+    for e, a in zip(before, after):
+        assert torch.equal(e, a)
+    assert len(entries) == 2 + 6  # packed ref: one run per task; padded ref: one entry per page
