@@ -11,11 +11,8 @@ B and C at the same time on A's tree (fresh processes, sharing, DRAM LRU / ARC)
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,15 +22,9 @@ pytest.importorskip("vllm")
 
 from pykv.blockfile import check_block  # noqa: E402
 
-from pykv.connector.config import PykvConfig  # noqa: E402
+from reliability.engines import finish, ktc, settle, snap, start, tokens  # noqa: E402
 
-DRIVER = Path(__file__).parent / "e2e" / "driver.py"
 CHUNK = 256  # tokens per storage block (8 engine blocks of 32)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 PREFIX = tokens(40, 1000)
@@ -44,48 +35,12 @@ P = {
 }
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0"}
-
-
-def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
-          engine: dict | None = None) -> tuple[subprocess.Popen, Path]:
-    """``engine``: extra ``vllm.LLM`` arguments (the driver's ``"engine"`` key)."""
-    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
-    (work / f"{name}.plan.json").write_text(json.dumps(plan))
-    out = work / f"{name}.out.json"
-    log = open(work / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, str(DRIVER), str(work / f"{name}.plan.json"), str(out)],
-                            env={**env(), "PYKV_STATS_FILE": str(work / f"{name}.stats")},
-                            stdout=log, stderr=subprocess.STDOUT, cwd=work)
-    return proc, out
-
-
-def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
-    rc = proc.wait(timeout=timeout)
-    log = out.with_name(out.name.replace(".out.json", ".log"))
-    assert rc == 0, f"engine failed (rc {rc}); see {log}:\n" + log.read_text()[-4000:]
-    return json.loads(out.read_text())
-
-
 def run(work: Path, name: str, ktc: dict | None, steps: list[dict]) -> dict:
     return finish(*start(work, name, ktc, steps))
 
 
 def gen(name: str, prompt: str) -> dict:
     return {"op": "generate", "name": name, "prompts": [P[prompt]]}
-
-
-def settle(work: Path, name: str) -> dict:
-    return {"op": "settle", "stats": str(work / f"{name}.stats"), "timeout": 60}
-
-
-def snap(work: Path, engine: str, name: str) -> dict:
-    return {"op": "snapshot", "name": name, "stats": str(work / f"{engine}.stats")}
-
-
-def ktc(root: Path, **keys) -> dict:
-    return PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", **keys}).to_kv_transfer_config(CHUNK)
 
 
 def worker(result: dict, snapshot: str) -> dict:
