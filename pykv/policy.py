@@ -39,10 +39,12 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import enum
+import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from pykv.staging import SlotLedger
 
@@ -75,7 +77,7 @@ _SPECULATIVE_IO = {Stage.OPENING, Stage.OPENED, Stage.READING}
 _CLAIMABLE = {Stage.QUEUED, Stage.OPENING, Stage.OPENED, Stage.READING, Stage.READY}
 
 
-@dataclass
+@dataclass(eq=False)
 class Transfer:
     """The policy's view of one storage-block transfer."""
 
@@ -88,6 +90,74 @@ class Transfer:
     claimed: bool = False  # preload: a demand load waits on it (demand priority from now on)
     released: bool = False  # preload: nobody wants it any more; it ends once its I/O is done
     source: int | None = None  # joined load: the preload whose read it waits for
+    index: "StageIndex | None" = field(default=None, repr=False)  # kept current when stage or claim change
+
+    def __setattr__(self, name: str, value: object) -> None:
+        index = self.__dict__.get("index")
+        if index is None or name not in _INDEXED:
+            object.__setattr__(self, name, value)
+            return
+        index.remove(self)
+        object.__setattr__(self, name, value)
+        index.add(self)
+
+    @property
+    def category(self) -> str:
+        """``load``, ``store``, ``claimed`` (a preload a load waits on) or ``speculative`` (any other preload)."""
+        if self.kind is Kind.PRELOAD:
+            return "claimed" if self.claimed else "speculative"
+        return self.kind.value
+
+
+_INDEXED = ("stage", "claimed")
+_CATEGORIES = {Kind.LOAD: ("load",), Kind.STORE: ("store",), Kind.PRELOAD: ("claimed", "speculative")}
+
+
+class StageIndex:
+    """Live transfers by (stage, category), each bucket in FIFO (``order``) order.
+
+    The policy asks "the oldest opened demand loads", "how many are reading" many times per
+    reactor step; with thousands of queued blocks (several long requests) a scan of every
+    transfer per question made each step O(n) and a whole load O(n^2).
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[Stage, str], tuple[list[int], dict[int, Transfer]]] = {}
+
+    def add(self, t: Transfer) -> None:
+        if t.stage in _FINAL:
+            return
+        orders, members = self._buckets.setdefault((t.stage, t.category), ([], {}))
+        bisect.insort(orders, t.order)
+        members[t.order] = t
+
+    def remove(self, t: Transfer) -> None:
+        bucket = self._buckets.get((t.stage, t.category))
+        if bucket is None or t.order not in bucket[1]:
+            return
+        orders, members = bucket
+        del orders[bisect.bisect_left(orders, t.order)]
+        del members[t.order]
+
+    def oldest_first(self, stage: Stage, category: str) -> Iterator[Transfer]:
+        """The bucket's transfers, oldest first; callers may move them to other stages meanwhile."""
+        bucket = self._buckets.get((stage, category))
+        if not bucket:
+            return
+        orders, members = bucket
+        for order in list(orders):
+            t = members.get(order)
+            if t is not None:
+                yield t
+
+    def size(self, stage: Stage, category: str) -> int:
+        bucket = self._buckets.get((stage, category))
+        return len(bucket[1]) if bucket else 0
+
+    def of_category(self, category: str) -> Iterator[Transfer]:
+        for (_, name), (_, members) in list(self._buckets.items()):
+            if name == category:
+                yield from list(members.values())
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -143,6 +213,7 @@ class ReactorPolicy:
     open_ahead: int
     max_speculative: int | None = None  # slots preloads may hold together (None: no limit of its own)
     _transfers: dict[int, Transfer] = field(default_factory=dict)
+    _index: StageIndex = field(default_factory=StageIndex)
     _order: itertools.count = field(default_factory=itertools.count)
     _pending: list[Action] = field(default_factory=list)
 
@@ -167,7 +238,7 @@ class ReactorPolicy:
         if kind is Kind.PRELOAD and slot is not None:
             raise ValueError("a preload reads into a staging slot of the ledger, never a caller's slot")
         stage = Stage.READY if resident else Stage.QUEUED
-        self._transfers[transfer_id] = Transfer(transfer_id, kind, stage, slot, next(self._order))
+        self._track(Transfer(transfer_id, kind, stage, slot, next(self._order)))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)
@@ -229,8 +300,7 @@ class ReactorPolicy:
             return False
         if load_id in self._transfers:
             raise ValueError(f"transfer {load_id} already exists")
-        load = Transfer(load_id, Kind.LOAD, Stage.JOINED, order=next(self._order), source=p.id)
-        self._transfers[load_id] = load
+        load = self._track(Transfer(load_id, Kind.LOAD, Stage.JOINED, order=next(self._order), source=p.id))
         if p.stage is Stage.READY:
             self._share(p, load)
         else:
@@ -320,7 +390,8 @@ class ReactorPolicy:
     @property
     def speculative_slots(self) -> int:
         """Slots held by preloads (reading or READY), claimed or not."""
-        return sum(1 for t in self._transfers.values() if t.kind is Kind.PRELOAD and t.owns_slot)
+        return sum(1 for category in _CATEGORIES[Kind.PRELOAD] for t in self._index.of_category(category)
+                   if t.owns_slot)
 
     # -- internals ---------------------------------------------------------------------------
     def _take_slot(self, t: Transfer, *, reclaim: bool = False) -> bool:
@@ -339,10 +410,15 @@ class ReactorPolicy:
         t.slot, t.owns_slot = slot, True
         return True
 
+    def _track(self, t: Transfer) -> Transfer:
+        self._transfers[t.id] = t
+        t.index = self._index
+        self._index.add(t)
+        return t
+
     def _reclaim(self) -> bool:
-        idle = [t for t in self._transfers.values()
-                if t.kind is Kind.PRELOAD and t.stage is Stage.READY and t.owns_slot
-                and self.ledger.refs(t.slot) == 1]
+        idle = [t for category in _CATEGORIES[Kind.PRELOAD] for t in self._index.oldest_first(Stage.READY, category)
+                if t.owns_slot and self.ledger.refs(t.slot) == 1]
         if not idle:
             return False
         self._end(max(idle, key=lambda t: t.order), ok=False, stage=Stage.CANCELLED)
@@ -350,8 +426,7 @@ class ReactorPolicy:
 
     def _speculating(self) -> bool:
         """A speculative preload (not claimed) is opening or reading."""
-        return any(t.kind is Kind.PRELOAD and not t.claimed and t.stage in _SPECULATIVE_IO
-                   for t in self._transfers.values())
+        return any(self._index.size(stage, "speculative") for stage in _SPECULATIVE_IO)
 
     def _may_speculate(self) -> bool:
         if self.ledger.free <= self.io_depth:
@@ -364,28 +439,24 @@ class ReactorPolicy:
         load.slot, load.owns_slot, load.stage, load.source = preload.slot, True, Stage.READY, None
 
     def _joined(self, preload_id: int) -> list[Transfer]:
-        return sorted((t for t in self._transfers.values() if t.stage is Stage.JOINED and t.source == preload_id),
-                      key=lambda t: t.order)
+        return [t for t in self._index.oldest_first(Stage.JOINED, "load") if t.source == preload_id]
 
     def _requeue_joined(self, preload: Transfer) -> None:
         """The preload will not deliver: loads waiting on it read the file themselves."""
         for load in self._joined(preload.id):
             load.stage, load.source = Stage.QUEUED, None
 
-    def _demand(self, t: Transfer) -> bool:
-        return t.kind is Kind.LOAD or (t.kind is Kind.PRELOAD and t.claimed)
-
     def _in(self, stage: Stage, kind: Kind | None = None, *, demand: bool | None = None) -> Iterable[Transfer]:
         """Transfers in ``stage`` in FIFO order: of ``kind``, or loads/preloads by ``demand``."""
         if kind is not None:
-            matches = [t for t in self._transfers.values() if t.stage is stage and t.kind is kind]
+            categories = _CATEGORIES[kind]
         else:
-            matches = [t for t in self._transfers.values() if t.stage is stage and t.kind is not Kind.STORE
-                       and self._demand(t) is demand]
-        return sorted(matches, key=lambda t: t.order)
+            categories = ("load", "claimed") if demand else ("speculative",)
+        streams = [self._index.oldest_first(stage, c) for c in categories]
+        return streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda t: t.order)
 
     def _count(self, *stages: Stage, kinds: tuple[Kind, ...] = tuple(Kind)) -> int:
-        return sum(1 for t in self._transfers.values() if t.stage in stages and t.kind in kinds)
+        return sum(self._index.size(stage, c) for stage in stages for kind in kinds for c in _CATEGORIES[kind])
 
     def _expect(self, transfer_id: int, stage: Stage) -> Transfer:
         t = self._transfers.get(transfer_id)

@@ -197,3 +197,54 @@ def test_resident_load_is_delivered_without_io():
     assert of(actions, Deliver)[0].blocks == ((0, 2),)
     with pytest.raises(ValueError):
         policy.add(1, Kind.LOAD, resident=True)
+
+
+def _index_matches_a_scan(policy: ReactorPolicy) -> None:
+    """Every live transfer sits in exactly its (stage, category) bucket, in FIFO order."""
+    scanned: dict = {}
+    for t in policy._transfers.values():
+        scanned.setdefault((t.stage, t.category), []).append(t.order)
+    indexed = {key: orders for key, (orders, members) in policy._index._buckets.items() if orders}
+    assert indexed == {key: sorted(orders) for key, orders in scanned.items()}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stage_index_stays_exact_under_random_events(seed):
+    """Loads, stores, preloads, claims, releases, cancels and failures in random order."""
+    import random
+    rng = random.Random(seed)
+    policy = ReactorPolicy(SlotLedger(6), io_depth=2, open_ahead=3, max_speculative=2)
+    ids, in_flight, preloads = iter(range(10 ** 6)), [], []
+    for _ in range(3000):
+        r = rng.random()
+        if r < 0.15:
+            tid = next(ids)
+            kind = rng.choice([Kind.LOAD, Kind.STORE, Kind.PRELOAD])
+            policy.add(tid, kind)
+            if kind is Kind.PRELOAD:
+                preloads.append(tid)
+        elif r < 0.2 and preloads:
+            policy.claim(rng.choice(preloads), next(ids))
+        elif r < 0.25 and preloads:
+            policy.release(rng.choice(preloads))
+        elif r < 0.28 and policy._transfers:
+            policy.cancel(rng.choice(list(policy._transfers)))
+        for action in policy.step():
+            if isinstance(action, (Open, Read, Fill, Write)):
+                in_flight.append(action)
+            elif isinstance(action, Deliver):
+                in_flight.extend(action.blocks)
+        if in_flight and rng.random() < 0.7:
+            action = in_flight.pop(rng.randrange(len(in_flight)))
+            ok = rng.random() < 0.9
+            if isinstance(action, Open):
+                policy.opened(action.transfer, ok)
+            elif isinstance(action, Read):
+                policy.read_done(action.transfer, ok)
+            elif isinstance(action, Fill):
+                policy.filled(action.transfer, ok)
+            elif isinstance(action, Write):
+                policy.written(action.transfer, ok)
+            else:
+                policy.consumed(action[0])
+        _index_matches_a_scan(policy)
