@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 import xxhash
@@ -45,13 +46,13 @@ class Namespace:
         data["extra"] = dict(self.extra)
         return data
 
-    @property
+    @cached_property
     def fingerprint(self) -> bytes:
-        """16 bytes identifying this namespace."""
+        """16 bytes identifying this namespace (computed once: the worker asks for every block)."""
         canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(canonical.encode())
 
-    @property
+    @cached_property
     def id(self) -> str:
         """Hex fingerprint: the namespace's directory name."""
         return self.fingerprint.hex()
