@@ -276,10 +276,9 @@ class PykvWorker(OffloadingWorker):
 
         Each slot's header is checked here and all blocks go to the copier as one batch
         (one batched copy on CUDA), like vLLM's CPU tier; the job ends when the copy does.
-        Handing DRAM hits through the reactor cost thread hand-offs per delivery batch (each
-        waits for the GIL the busy engine thread holds) and made 80k-token hits 2.4x slower
-        than the native CPU tier on the H200 (docs/benchmarks.md). The slots are safe to read:
-        the manager pinned these keys in ``prepare_load`` until ``complete_load``.
+        Through the reactor, a DRAM hit paid thread hand-offs per delivery batch (each
+        waiting for the GIL the busy engine thread holds) for no I/O at all. The slots are
+        safe to read: the manager pinned these keys in ``prepare_load`` until ``complete_load``.
         """
         with self._lock:
             self._jobs[job.job_id] = job
