@@ -82,37 +82,40 @@ def _pace(started: float, moved: int, rate: int) -> None:
         time.sleep(ahead)
 
 
-def storer(args: argparse.Namespace, seed: int, deadline: float) -> dict:
+def _paced_jobs(args: argparse.Namespace, seed: int, deadline: float, job) -> dict:
+    """Run ``job(rig, keys, counts, errors)`` on random keys until ``deadline``, paced at ``--rate``
+    by the byte count ``job`` returns."""
     rng, counts, errors = random.Random(seed), Counter(), []
     with _rig(args, seed) as rig:
         started = time.monotonic()
         while time.monotonic() < deadline:
-            keys = _keys(args, rng)
-            out = rig.store(keys, [_geometry(args, k) for k in keys], timeout=300)
-            counts["store_jobs"] += 1
-            counts["store_blocks"] += len(keys)
-            counts["published"] += out.result.published
-            counts["store_bytes"] += out.result.bytes
-            errors += [f"store {keys[i].hex()}: {reason}" for i, reason in out.result.failed.items()]
-            _pace(started, counts["store_bytes"], args.rate_bytes)
+            _pace(started, job(rig, _keys(args, rng), counts, errors), args.rate_bytes)
     return {"counts": counts, "errors": errors[:50], "error_count": len(errors)}
+
+
+def storer(args: argparse.Namespace, seed: int, deadline: float) -> dict:
+    def store(rig: Rig, keys: list[bytes], counts: Counter, errors: list[str]) -> int:
+        out = rig.store(keys, [_geometry(args, k) for k in keys], timeout=300)
+        counts["store_jobs"] += 1
+        counts["store_blocks"] += len(keys)
+        counts["published"] += out.result.published
+        counts["store_bytes"] += out.result.bytes
+        errors += [f"store {keys[i].hex()}: {reason}" for i, reason in out.result.failed.items()]
+        return counts["store_bytes"]
+    return _paced_jobs(args, seed, deadline, store)
 
 
 def loader(args: argparse.Namespace, seed: int, deadline: float) -> dict:
-    rng, counts, errors = random.Random(seed), Counter(), []
-    with _rig(args, seed) as rig:
-        started = time.monotonic()
-        while time.monotonic() < deadline:
-            keys = _keys(args, rng)
-            out = rig.load(keys, [_geometry(args, k) for k in keys], timeout=300)
-            counts["load_jobs"] += 1
-            counts["load_hits"] += len(out.delivered)
-            counts["load_misses"] += len(out.misses)
-            counts["load_bytes"] += out.result.bytes
-            errors += [f"load {keys[i].hex()}: {reason}" for i, reason in out.errors.items()]
-            errors += [f"load {keys[i].hex()}: wrong bytes delivered" for i in out.mismatched]
-            _pace(started, max(counts["load_bytes"], counts["load_jobs"] * args.min_block), args.rate_bytes)
-    return {"counts": counts, "errors": errors[:50], "error_count": len(errors)}
+    def load(rig: Rig, keys: list[bytes], counts: Counter, errors: list[str]) -> int:
+        out = rig.load(keys, [_geometry(args, k) for k in keys], timeout=300)
+        counts["load_jobs"] += 1
+        counts["load_hits"] += len(out.delivered)
+        counts["load_misses"] += len(out.misses)
+        counts["load_bytes"] += out.result.bytes
+        errors += [f"load {keys[i].hex()}: {reason}" for i, reason in out.errors.items()]
+        errors += [f"load {keys[i].hex()}: wrong bytes delivered" for i in out.mismatched]
+        return max(counts["load_bytes"], counts["load_jobs"] * args.min_block)
+    return _paced_jobs(args, seed, deadline, load)
 
 
 def collector(args: argparse.Namespace, seed: int, deadline: float) -> dict:

@@ -98,10 +98,8 @@ class TorchCopier:
 
         One slice copy per run of consecutive ids where the KV rows are contiguous
         memory; otherwise loads move the whole chunk in one copy and scatter it with
-        ``index_copy_`` on the device. On the H200 (docs/benchmarks.md) slice copies
-        into contiguous rows reached 55 GB/s alone, but inside vLLM 0.26 (whose CUDA
-        KV tensors are cross-layer views) DRAM hits fell to 3.4 GB/s with slices and
-        ran at 27 GB/s with the gather; the contiguity test picks per tensor.
+        ``index_copy_`` on the device. ``CudaCopier`` uses this only where vLLM's
+        batched copy op is missing; on the CPU platform it is the copy path.
         """
         runs = contiguous_runs(task.gpu_ids)
         for kv, rows in self._runs(task):

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 from pykv.blockfile import check_block  # noqa: E402
 
-from reliability.engines import finish, ktc, settle, snap, start, tokens  # noqa: E402
+from reliability.engines import finish, ktc, settle, snap, start, tiny_model_work, tokens  # noqa: E402
 
 CHUNK = 256  # tokens per storage block (8 engine blocks of 32)
 
@@ -53,10 +53,7 @@ def block_files(root: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from pykv.connector.tiny_model import make_tiny_llama
-    work = tmp_path_factory.mktemp("e2e")
-    make_tiny_llama(work / "model")
-    return work
+    return tiny_model_work(tmp_path_factory, "e2e")
 
 
 @pytest.fixture(scope="module")

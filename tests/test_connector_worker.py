@@ -125,17 +125,22 @@ def test_corrupt_file_fails_that_chunk_and_later_ones_and_is_quarantined(rig):
     assert manager.lookup(ks[1], ctx) is LookupResult.MISS
 
 
-def test_dram_hit_reads_no_disk(rig):
-    manager, worker, kv = rig(dram_bytes="2M")
-    ctx = ReqContext("r")
+def store_through_dram(manager, worker, kv, ks: list[bytes], ctx, value: int) -> None:
+    """GPU blocks 0..11, filled with ``value``, stored (job 1) through DRAM-tier slots and committed."""
     for layer in kv:
-        layer[:12].fill_(7)
-    ks = keys(3, salt=2)
+        layer[:12].fill_(value)
     out = manager.prepare_store(ks, ctx)
     assert all(s >= 0 for s in out.store_spec.dram_slots)
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), out.store_spec)
     run(worker, 1)
     manager.complete_store(ks, ctx)
+
+
+def test_dram_hit_reads_no_disk(rig):
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=2)
+    store_through_dram(manager, worker, kv, ks, ctx, 7)
     for k in ks:  # remove the files: only DRAM can serve now
         os.unlink(worker.tree.block_path(worker.namespace.id, k))
     spec = manager.prepare_load(ks, ctx)
@@ -150,16 +155,11 @@ def test_dram_hit_reads_no_disk(rig):
 
 def test_dram_hit_skips_the_reactor_and_a_bad_slot_fails_only_its_blocks(rig):
     """A wholly resident load is copied from the engine thread in one batch; a slot whose header
-    names another key (e.g. reused by mistake) is refused from its first block on, never copied."""
+    is damaged is refused (recomputed from that block on) and never copied."""
     manager, worker, kv = rig(dram_bytes="2M")
     ctx = ReqContext("r")
-    for layer in kv:
-        layer[:12].fill_(5)
     ks = keys(3, salt=9)
-    out = manager.prepare_store(ks, ctx)
-    worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), out.store_spec)
-    run(worker, 1)
-    manager.complete_store(ks, ctx)
+    store_through_dram(manager, worker, kv, ks, ctx, 5)
     spec = manager.prepare_load(ks, ctx)
     assert spec.resident == (True, True, True)
     reactor_delivered = worker.reactor.stats["delivered_blocks"]

@@ -39,7 +39,8 @@ from pykv.tree import KVTree  # noqa: E402
 
 from reliability.damage import KINDS  # noqa: E402
 from reliability.engines import (  # noqa: E402
-    counter, finish, gen, ktc, log_errors, log_of, mark, run_code, settle, snap, start, tokens)
+    counter, finish, gen, ktc, log_errors, log_of, mark, run_code, settle, snap, start, tiny_model_work,
+    tokens)
 from reliability.rig import block_files, temp_files  # noqa: E402
 from reliability.system import small_tmpfs  # noqa: E402
 
@@ -56,10 +57,7 @@ RETRY = 2.0  # D's store_retry_interval (s)
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from pykv.connector.tiny_model import make_tiny_llama
-    work = tmp_path_factory.mktemp("reliability-e2e")
-    make_tiny_llama(work / "model")
-    return work
+    return tiny_model_work(tmp_path_factory, "reliability-e2e")
 
 
 @pytest.fixture(scope="module")

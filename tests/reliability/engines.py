@@ -25,6 +25,14 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
+def tiny_model_work(tmp_path_factory, name: str) -> Path:
+    """A fresh work directory holding the tiny random Llama as ``model`` (engines find it there)."""
+    from pykv.connector.tiny_model import make_tiny_llama
+    work = tmp_path_factory.mktemp(name)
+    make_tiny_llama(work / "model")
+    return work
+
+
 def env(work: Path, name: str) -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "PYKV_STATS_FILE": str(work / f"{name}.stats")}
