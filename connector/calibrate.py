@@ -139,17 +139,21 @@ def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int)
     warm = min(run.lengths)
     reps = range(run.repeat)
 
-    def measure(path: str, tokens: int, rep: int, warmup: bool = False) -> dict[str, Any]:
-        return {"op": "measure", "path": path, "tokens": tokens, "rep": rep, "seed": 1 if warmup else 0,
-                "warmup": warmup}
+    def measure(path: str, tokens: int, rep: int, warmup: bool = False, seed: int | None = None) -> dict[str, Any]:
+        seed = (1 if warmup else 0) if seed is None else seed
+        return {"op": "measure", "path": path, "tokens": tokens, "rep": rep, "seed": seed, "warmup": warmup}
 
     def pykv(dram: int, **gate: str) -> dict[str, Any]:
         extra = {"root": str(scratch), **run.settings, "dram_bytes": dram, **gate}
         return PykvConfig.from_extra_config(extra).to_kv_transfer_config(run.block_tokens)
 
-    def repeated(path: str) -> list[dict[str, Any]]:
-        """One unmeasured warm-up request, then each length ``repeat`` times."""
-        return [measure(path, warm, 0, True)] + [measure(path, n, r) for n in run.lengths for r in reps]
+    def repeated(path: str, warm_seed: int = 1) -> list[dict[str, Any]]:
+        """One unmeasured warm-up request, then each length ``repeat`` times.
+
+        The disk and gated engines warm up on a prompt already stored (``warm_seed`` 0): a fresh
+        one would be stored, and that store would still run while the first length is measured.
+        """
+        return [measure(path, warm, 0, True, warm_seed)] + [measure(path, n, r) for n in run.lengths for r in reps]
 
     dram = "dram" in run.tiers
     recompute = repeated("recompute")
@@ -162,10 +166,10 @@ def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int)
     phases = [Phase("recompute", base, recompute),
               Phase("store", {**base, "kv_transfer_config": pykv(dram_bytes if dram else 0)}, store)]
     if "disk" in run.tiers:
-        phases.append(Phase("disk", {**base, "kv_transfer_config": pykv(0)}, repeated("disk")))
+        phases.append(Phase("disk", {**base, "kv_transfer_config": pykv(0)}, repeated("disk", warm_seed=0)))
     if run.check_gate:
         gated = pykv(0, breakeven_file=str(work / GATE_FILE))
-        phases.append(Phase("gated", {**base, "kv_transfer_config": gated}, repeated("gated")))
+        phases.append(Phase("gated", {**base, "kv_transfer_config": gated}, repeated("gated", warm_seed=0)))
     return phases
 
 

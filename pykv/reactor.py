@@ -342,8 +342,11 @@ class Reactor:
 
     def _claim(self, tid: int, block: LoadBlock, owner: Hashable | None) -> bool:
         """Serve load transfer ``tid`` from a live preload of the same file, if there is one.
-        A load into its own (DRAM-tier) slot reads the file itself."""
-        if block.slot is not None:
+
+        A load into its own (DRAM-tier) slot claims it too: the block is copied from the
+        preload's slot into that slot when delivered (``_deliver``), so it is promoted into the
+        DRAM tier without a second read. A resident block needs no preload."""
+        if block.resident:
             return False
         preload = self._preloads.get(os.fspath(block.path))
         if preload is None:
@@ -523,6 +526,9 @@ class Reactor:
                     self.policy.consumed(tid)
                     continue
                 t.job.result.bytes += t.header.file_size
+                if t.block.slot is not None and t.block.slot != slot:  # a preload served a promotion
+                    self.pool.copy_slot(slot, t.block.slot, t.header.file_size)
+                    slot = t.slot = t.block.slot
             batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header))
             self.stats["delivered_blocks"] += 1
             self.stats["delivered_bytes"] += t.header.file_size

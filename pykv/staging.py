@@ -11,6 +11,7 @@ allocated after construction.
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import threading
 from typing import Callable
@@ -119,6 +120,18 @@ class StagingPool:
     def address(self, slot: int) -> int:
         """Raw pointer to the first byte of ``slot`` (page aligned)."""
         return self.base_address + slot * self.slot_bytes
+
+    def copy_slot(self, source: int, destination: int, length: int) -> None:
+        """Copy the first ``length`` bytes of slot ``source`` into slot ``destination``.
+
+        ``ctypes.memmove`` drops the GIL for the copy (tens of MB), so the engine thread runs on.
+        """
+        self.ledger.check(source)
+        self.ledger.check(destination)
+        if not 0 <= length <= self.slot_bytes:
+            raise ValueError(f"length {length} outside 0..{self.slot_bytes}")
+        if source != destination:
+            ctypes.memmove(self.address(destination), self.address(source), length)
 
     def view(self, slot: int) -> memoryview:
         """The whole slot (header then payload)."""

@@ -73,7 +73,9 @@ def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_pa
     assert extra["breakeven_file"] == str(tmp_path / "work" / "gate.json")
     assert extra["dram_bytes"] == 0 and extra["root"] == str(tmp_path / "scratch") and extra["io_depth"] == 8
     assert "breakeven_file" not in disk.engine["kv_transfer_config"]["kv_connector_extra_config"]
-    assert gated.steps[0] == {"op": "measure", "path": "gated", "tokens": 256, "rep": 0, "seed": 1, "warmup": True}
+    # warm-ups of the disk and gated engines reuse a stored prompt: no store runs behind the first sample
+    assert gated.steps[0] == {"op": "measure", "path": "gated", "tokens": 256, "rep": 0, "seed": 0, "warmup": True}
+    assert disk.steps[0]["seed"] == 0 and phases[1].steps[0]["seed"] == 1 and phases[0].steps[0]["seed"] == 1
     assert [(s["tokens"], s["rep"]) for s in gated.steps[1:]] == [(256, 0), (256, 1), (512, 0), (512, 1)]
     assert all(s["path"] == "gated" and not s["warmup"] for s in gated.steps[1:])
     without = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2), tmp_path, tmp_path,

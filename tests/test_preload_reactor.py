@@ -79,9 +79,11 @@ class Sink:
     def __init__(self) -> None:
         self.reactor: Reactor | None = None
         self.payloads: dict[tuple[object, int], bytes] = {}
+        self.slots: dict[tuple[object, int], int] = {}  # the slot each block was delivered from
 
     def deliver(self, blocks: list[ReadyBlock]) -> None:
         for b in blocks:
+            self.slots[(b.job, b.index)] = b.slot
             self.payloads[(b.job, b.index)] = bytes(self.reactor.pool.payload_view(b.slot, b.header.payload_length))
             self.reactor.consumed(b.transfer)
 
@@ -219,14 +221,32 @@ def test_demand_reclaims_preload_slots_and_speculation_stays_within_its_bound(ri
     assert reactor.stats["preload_slots_high"] <= 3 and reactor.stats["slots_high"] <= 5
 
 
-def test_a_dram_tier_load_reads_its_own_copy_and_preloads_never_use_dram_slots(rig):
+def test_a_dram_tier_load_claims_the_preload_and_copies_it_and_preloads_never_use_dram_slots(rig):
     tree, reactor, backend, sink, source = rig(slots=6, reserved=2)
     store(tree, reactor, source, [key(1)])
     with pytest.raises(ValueError):
         reactor._add_preloads("A", load_blocks(tree, [key(1)], geometry=None, slot=5))
     reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
     until(lambda: reactor.policy.speculative_slots == 1)
+    reads = reactor.stats["disk_reads"]
     reactor.submit_load("promote", load_blocks(tree, [key(1)], slot=5), owner="B")  # promotion into DRAM slot 5
     assert reactor.wait_for("promote", timeout=30).ok
-    assert reactor.stats["preloads_claimed"] == 0
+    assert reactor.stats["preloads_claimed"] == 1 and reactor.stats["disk_reads"] == reads  # no second read
     assert bytes(reactor.pool.payload_view(5, GEOMETRY.payload_length)) == pattern(key(1))
+    assert sink.slots[("promote", 0)] == 5  # the copier reads the DRAM slot, not the preload's
+    assert sink.payloads[("promote", 0)] == pattern(key(1))
+    reactor.release_preloads("A")
+    until(lambda: reactor.policy.speculative_slots == 0)  # the preload's staging slot is free again
+    until(lambda: reactor.pool.ledger.free == 4)
+
+
+def test_a_resident_dram_block_never_claims_a_preload(rig):
+    tree, reactor, backend, sink, source = rig(slots=6, reserved=2)
+    store(tree, reactor, source, [key(1)])
+    reactor.submit_load("fill", load_blocks(tree, [key(1)], slot=5))
+    assert reactor.wait_for("fill", timeout=30).ok
+    reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
+    until(lambda: reactor.policy.speculative_slots == 1)
+    reactor.submit_load("hit", load_blocks(tree, [key(1)], slot=5, resident=True), owner="B")
+    assert reactor.wait_for("hit", timeout=30).ok
+    assert reactor.stats["preloads_claimed"] == 0

@@ -126,7 +126,7 @@ def test_a_waiting_request_that_is_aborted_releases_its_preloads(rig):
     assert worker.pool.ledger.free == worker.pool.num_slots
 
 
-def test_preloaded_keys_get_no_dram_promotion_slot_and_preloads_leave_the_dram_tier_alone(rig):
+def test_preloaded_keys_are_promoted_without_a_second_read_and_preloads_leave_the_dram_tier_alone(rig):
     manager, worker, _ = rig(dram_bytes="256K")  # 4 DRAM slots of ~52 KiB
     resident = [key(1, c) for c in range(2)]
     store(manager, worker, resident, job=1)  # stored through DRAM slots: DRAM hits now
@@ -143,11 +143,15 @@ def test_preloaded_keys_get_no_dram_promotion_slot_and_preloads_leave_the_dram_t
     worker.submit_preloads(plan.preloads)
     until(lambda: worker.reactor.policy.speculative_slots == 2)
     assert {k: manager.dram.lookup(k) for k in resident} == dram_entries  # nothing evicted
+    reads = worker.reactor.stats["disk_reads"]
     spec = manager.prepare_load(resident + on_disk, ReqContext("A"))
-    assert spec.dram_slots[2:] == (NO_SLOT, NO_SLOT)  # served from the preload, not promoted
+    assert all(slot != NO_SLOT for slot in spec.dram_slots[2:])  # promoted through the preload
     worker.submit_load(5, spec, gpu(40, 4))
     wait_jobs(worker, {5})
     assert worker.counters["load_blocks_dram"] == 2 and worker.reactor.stats["preloads_claimed"] == 2
+    assert worker.reactor.stats["disk_reads"] == reads  # the preload's read was the only one
+    manager.complete_load(resident + on_disk, ReqContext("A"))
+    assert all(manager.dram.lookup(k) is not None for k in on_disk)  # the next hit is a DRAM hit
 
 
 def test_round_robin_multi_turn_beyond_the_dram_tier_keeps_speculation_bounded(rig):

@@ -211,3 +211,16 @@ def test_pool_has_its_own_ledger():
         assert pool.ledger.acquire() is None
     finally:
         pool.close()
+
+
+def test_copy_slot_copies_the_prefix_only_and_checks_its_arguments():
+    pool = StagingPool(8192, 3, reserved=1)
+    pool.view(0)[:] = b"\xab" * 8192
+    pool.view(2)[:] = b"\x00" * 8192
+    pool.copy_slot(0, 2, 5000)  # into the reserved (DRAM-tier) slot
+    assert bytes(pool.view(2)[:5000]) == b"\xab" * 5000 and bytes(pool.view(2)[5000:]) == b"\x00" * 3192
+    with pytest.raises(IndexError):
+        pool.copy_slot(0, 3, 10)
+    with pytest.raises(ValueError):
+        pool.copy_slot(0, 1, 8193)
+    pool.close()
