@@ -74,7 +74,9 @@ LLAMA_3_2_3B = {  # same as shared/device/mk_model.py --config-only (fallback wh
     "use_cache": True, "vocab_size": 128256,
 }
 MK_MODEL_CANDIDATES = ("/tmp/pykv-device/part2/mk_model.py", str(REPO.parent / "shared/device/mk_model.py"))
-MK_CONFIG_CANDIDATES = ("/tmp/pykv-device/part2/anchors/mk_config.py", str(REPO.parent / "shared/device/anchors/mk_config.py"))
+MK_CONFIG_CANDIDATES = ("/tmp/pykv-device/part2/anchors/mk_config.py", str(REPO / ".device/extra/mk_config.py"),
+                        str(REPO.parent / "shared/device/anchors/mk_config.py"))
+"""``prepare.sh`` does not pack ``anchors/``: carry a copy in ``.device/extra/`` for the 8B/32B shapes."""
 CAL_SHAPES = {"8b": "llama8b", "32b": "qwen32b"}  # calibration shapes besides the 3B (mk_config.py names)
 
 # Anchors measured with the same method (shared/device/README.md), TTFT in seconds.
