@@ -67,6 +67,8 @@ class PykvManager(OffloadingManager):
             pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
             setting="kv_connector_extra_config.breakeven_file")
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
+        self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
+        self._gate_tiers: dict[bytes, str | None] = {}  # vLLM's lookups right after reuse it
         log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", pykv.root, self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
 
@@ -74,7 +76,11 @@ class PykvManager(OffloadingManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         if self._gate_refused is not None and req_context.req_id == self._gate_refused:
             return LookupResult.MISS
-        return LookupResult.MISS if self._tier_of(key) is None else LookupResult.HIT
+        if req_context.req_id == self._gate_request and key in self._gate_tiers:
+            tier = self._gate_tiers[key]  # the gate just looked: no second stat per block
+        else:
+            tier = self._tier_of(key)
+        return LookupResult.MISS if tier is None else LookupResult.HIT
 
     def _tier_of(self, key: bytes) -> str | None:
         if self.dram.lookup(key) is not None:
@@ -85,9 +91,17 @@ class PykvManager(OffloadingManager):
         """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
         below its tier's break-even length; ``lookup`` then answers MISS for it and vLLM recomputes."""
         self._gate_refused = None
+        self._gate_request, self._gate_tiers = req_id, {}
         if self.gate is None:
             return
-        decision = self.gate.decide(groups, num_computed_tokens, self._tier_of)
+        tiers = self._gate_tiers
+
+        def tier_of(key: bytes) -> str | None:
+            if key not in tiers:
+                tiers[key] = self._tier_of(key)
+            return tiers[key]
+
+        decision = self.gate.decide(groups, num_computed_tokens, tier_of)
         if not decision.admitted:
             self._gate_refused = req_id
             self.counters[Metric.GATE_REFUSALS] += 1

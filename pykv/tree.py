@@ -70,6 +70,7 @@ class KVTree:
 
     def __init__(self, root: Path | str, options: TreeOptions | None = None) -> None:
         self.root = Path(root)
+        self._prefixes: dict[str, str] = {}  # namespace id -> "<root>/<id>/" (``contains``)
         self.options = options or TreeOptions()
 
     # -- marker ---------------------------------------------------------------------------
@@ -176,11 +177,24 @@ class KVTree:
 
     # -- lookup, publication, access --------------------------------------------------------
     def contains(self, namespace_id: str, key: bytes) -> bool:
-        """Existence check of the final name (a symlink is not a block)."""
+        """Existence check of the final name (a symlink is not a block).
+
+        The scheduler asks this for every block of every request it looks up, so the
+        path is built as a string (the same one ``block_path`` names): pathlib would
+        cost more than the ``lstat`` itself.
+        """
+        name = key.hex()
+        path = f"{self._namespace_prefix(namespace_id)}{name[:2]}/{name[2:4].ljust(2, '0')}/{name}{BLOCK_SUFFIX}"
         try:
-            return os.lstat(self.block_path(namespace_id, key)).st_mode & 0o170000 == 0o100000
+            return os.lstat(path).st_mode & 0o170000 == 0o100000
         except OSError:
             return False
+
+    def _namespace_prefix(self, namespace_id: str) -> str:
+        prefix = self._prefixes.get(namespace_id)
+        if prefix is None:
+            prefix = self._prefixes[namespace_id] = f"{self.namespace_dir(namespace_id)}/"
+        return prefix
 
     def publish(self, temp: Path, final: Path) -> bool:
         """Link ``temp`` to ``final`` and unlink ``temp``. False when another writer won."""

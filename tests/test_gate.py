@@ -159,6 +159,22 @@ def test_short_prefix_is_refused_and_counted_long_one_loads(tmp_path):
     assert stats is not None
 
 
+def test_lookups_after_an_admitted_gate_reuse_what_it_found(tmp_path, monkeypatch):
+    m = manager(tmp_path, breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 100}))
+    on_disk(m, KEYS[:3])
+    stats = []
+    contains = m.tree.contains
+    monkeypatch.setattr(m.tree, "contains", lambda ns, key: stats.append(key) or contains(ns, key))
+    m.gate_request("r", [(CHUNK, KEYS[:4])], 0)  # 3 blocks on disk, the 4th missing: 192 tokens >= 100
+    assert stats == KEYS[:4]
+    assert lookups(m, "r", KEYS[:4]) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+    assert stats == KEYS[:4]  # no second look at the tree
+    assert lookups(m, "other", KEYS[:1]) == [LookupResult.HIT] and stats == KEYS[:4] + KEYS[:1]
+    (m.tree.block_path(m.namespace.id, KEYS[0])).unlink()  # gone since: the next round looks again
+    m.gate_request("r", [(CHUNK, KEYS[:4])], 0)
+    assert lookups(m, "r", KEYS[:1]) == [LookupResult.MISS]
+
+
 def test_dram_and_disk_thresholds(tmp_path):
     m = manager(tmp_path, dram_bytes="1M", breakeven_file=write_calibration(tmp_path / "cal.json",
                                                                              {"disk": 1000, "dram": 100}))

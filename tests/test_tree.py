@@ -161,6 +161,17 @@ def test_contains(tree):
     assert not tree.contains(NS.id, KEY[:-1])
 
 
+@pytest.mark.parametrize("key", [b"\x01", b"\xab\xcd", bytes(range(32))])
+def test_contains_looks_exactly_at_block_path(tree, key):
+    tree.ensure_namespace(NS)
+    final = tree.block_path(NS.id, key)
+    assert not tree.contains(NS.id, key)
+    tree.publish(write_temp(tree, final), final)
+    assert tree.contains(NS.id, key)
+    with pytest.raises(ValueError):
+        tree.contains("Not-Hex", key)
+
+
 def test_contains_is_false_for_a_symlink_at_the_final_name(tree, tmp_path):
     tree.ensure_namespace(NS)
     final = tree.block_path(NS.id, KEY)
