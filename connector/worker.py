@@ -68,12 +68,16 @@ class _Chunk:
 
 @dataclass
 class _Job:
-    job_id: int
+    job_id: object  # vLLM's job id, or (part, vLLM's job id) for a part of a split load
     is_load: bool
     chunks: list[_Chunk]
     started: float = field(default_factory=time.monotonic)
     copy_failed: set[int] = field(default_factory=set)
     ready: object = None  # the copier's marker: device work queued before the job (CUDA event)
+    parent: "_Job | None" = None  # a part: the job it belongs to, and its chunks' indices there
+    indices: list[int] = field(default_factory=list)
+    parts: int = 0  # a split job: parts not finished yet, and their results merged so far
+    merged: JobResult | None = None
 
 
 class PykvWorker(OffloadingWorker):
@@ -139,10 +143,14 @@ class PykvWorker(OffloadingWorker):
         blocks = [LoadBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
                             self.layout.geometry(c.group), **self._slot_args(c)) for c in chunks]
         self.counters["load_jobs"] += 1
-        if chunks and all(c.resident for c in chunks):
+        owner = getattr(src_spec, "req_id", None)
+        resident = [i for i, c in enumerate(chunks) if c.resident]
+        if not resident:
+            self._start(job, blocks, owner=owner)
+        elif len(resident) == len(chunks):
             self._load_resident(job, blocks)
         else:
-            self._start(job, blocks, owner=getattr(src_spec, "req_id", None))
+            self._load_split(job, blocks, resident, owner)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PykvStoreSpec) -> bool:
@@ -271,6 +279,37 @@ class PykvWorker(OffloadingWorker):
             self._lock.notify_all()
 
     # -- DRAM-tier loads (engine thread) ----------------------------------------------------------
+    def _load_split(self, job: _Job, blocks: list[LoadBlock], resident: list[int], owner: str | None) -> None:
+        """A load with blocks in the DRAM tier and blocks on disk: the DRAM part is copied at
+        once (``_load_resident``), the disk part goes through the reactor; the job ends when
+        both parts have (``_part_done``). Through the reactor, the DRAM blocks would wait for
+        its delivery batches (H200 P40 run 5: 19.8 s of copy wall time against 3.8 s)."""
+        on_disk = [i for i in range(len(job.chunks)) if i not in set(resident)]
+        job.parts, job.merged = 2, JobResult(job.job_id, Kind.LOAD, len(job.chunks))
+        with self._lock:
+            self._jobs[job.job_id] = job
+        parts = {}
+        for name, indices in (("dram", resident), ("disk", on_disk)):
+            parts[name] = _Job((name, job.job_id), True, [job.chunks[i] for i in indices], job.started,
+                               ready=job.ready, parent=job, indices=indices)
+        self._load_resident(parts["dram"], [blocks[i] for i in resident])
+        self._start(parts["disk"], [blocks[i] for i in on_disk], owner=owner)
+
+    def _part_done(self, part: _Job, result: JobResult) -> None:
+        """One part of a split load ended: fold it into its job; the last one ends the job."""
+        job = part.parent
+        with self._lock:
+            del self._jobs[part.job_id]
+            merged = job.merged
+            merged.failed.update({part.indices[i]: reason for i, reason in result.failed.items()})
+            job.copy_failed.update(part.indices[i] for i in part.copy_failed)
+            merged.bytes += result.bytes
+            merged.seconds = max(merged.seconds, result.seconds)
+            job.parts -= 1
+            last = job.parts == 0
+        if last:
+            self._on_job_done(merged)
+
     def _load_resident(self, job: _Job, blocks: list[LoadBlock]) -> None:
         """A load served wholly by the DRAM tier: no I/O, so it skips the reactor.
 
@@ -351,6 +390,9 @@ class PykvWorker(OffloadingWorker):
     def _on_job_done(self, result: JobResult) -> None:
         with self._lock:
             job = self._jobs[result.job]
+        if job.parent is not None:
+            self._part_done(job, result)
+            return
         report, failed_ids = WorkerReport(), []
         if job.is_load:
             failed = set(result.failed) | job.copy_failed

@@ -176,6 +176,47 @@ def test_dram_hit_skips_the_reactor_and_a_bad_slot_fails_only_its_blocks(rig):
     assert worker.counters["load_blocks_dram"] == 2 and worker.counters["load_blocks_failed_dram"] == 1
 
 
+def test_a_load_half_in_dram_copies_that_half_at_once_and_reads_only_the_rest(rig):
+    """Chunks 0 and 2 in the DRAM tier, chunk 1 only on disk: one job, split in two parts."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=11)
+    store_through_dram(manager, worker, kv, ks, ctx, 6)
+    manager.dram.drop(ks[1])  # the middle chunk left the DRAM tier; its file stays
+    spec = manager.prepare_load(ks, ctx)
+    assert spec.resident == (True, False, True)
+    before = dict(worker.reactor.stats)
+    worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
+    failed, report = run(worker, 2)
+    manager.complete_load(ks, ctx)
+    assert not failed and not report
+    assert all(bool((layer[40:52] == 6).all()) for layer in kv)
+    assert worker.counters["dram_delivered_blocks"] == 2  # the DRAM part never went through the reactor
+    assert worker.reactor.stats["delivered_blocks"] - before["delivered_blocks"] == 1
+    assert worker.reactor.stats["disk_reads"] - before["disk_reads"] == 1
+    assert worker.counters["load_blocks_dram"] == 2 and worker.counters["load_blocks_disk"] == 1
+    assert not worker._jobs  # the job and both parts are gone
+
+
+def test_a_split_load_reports_failures_at_their_place_in_the_job(rig):
+    """The disk part fails (file gone): its chunk and every later one are recomputed (the DRAM
+    chunk after it too, although it was copied), and the DRAM chunk before it is kept."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=12)
+    store_through_dram(manager, worker, kv, ks, ctx, 4)
+    manager.dram.drop(ks[1])
+    os.unlink(worker.tree.block_path(worker.namespace.id, ks[1]))
+    spec = manager.prepare_load(ks, ctx)
+    worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
+    failed, report = run(worker, 2)
+    manager.complete_load(ks, ctx)
+    assert failed == set(range(44, 52))
+    assert report.failed_loads == [ks[1]]
+    assert bool((kv[0][40:44] == 4).all())
+    assert worker.counters["load_blocks_failed_disk"] == 1 and worker.counters["load_blocks_dram"] == 2
+
+
 def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     manager, worker, kv = rig()
     ctx = ReqContext("r")
