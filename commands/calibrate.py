@@ -133,11 +133,16 @@ def _render(out: Console, data: dict[str, Any]) -> None:
 def _render_gate(out: Console, gate: dict[str, Any]) -> None:
     """The gated engine per length against the better of recompute and disk hit, and the verdict."""
     limit = f"{(gate['tolerance'] - 1) * 100:.0f} %"
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", f"within {limit}"]
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", f"within {limit}"]
     rows = [[f"{p['tokens']:,}", _seconds(p["gated_s"]), _seconds(p["best_s"]), f"{p['ratio']:.2f}",
-             f"{p['admitted']}/{p['runs']}", "yes" if p["ok"] else "no"] for p in gate["points"]]
+             f"{p['admitted']}/{p['runs']}", _yes_no(p.get("right")), _yes_no(p["ok"])] for p in gate["points"]]
     out.print(table("gate check: TTFT in seconds (medians) with the gate on; best = min(recompute, disk hit); "
-                    "loaded = runs that loaded", columns, rows, right=set(columns)))
+                    "loaded = runs that loaded; right path = the path taken is within the tolerance of the "
+                    "better one in the recompute and disk engines", columns, rows, right=set(columns)))
+    wrong = [f"{p['tokens']:,}" for p in gate["points"] if p.get("right") is False]
+    if wrong:
+        out.print(f"gate check: the gate took the slower path at {', '.join(wrong)} tokens; measure lengths "
+                  f"around the break-even length, with more --repeat")
     if gate["all_ok"]:
         out.print(f"gate check: gated pykv within {limit} of the better of recompute and disk hit at every length "
                   f"(max {gate['max_ratio']:.2f})")
@@ -145,6 +150,10 @@ def _render_gate(out: Console, gate: dict[str, Any]) -> None:
     slow = [f"{p['tokens']:,}" for p in gate["points"] if not p["ok"]]
     out.print(f"gate check: gated pykv more than {limit} slower than the better of recompute and disk hit at "
               f"{len(slow)} of {len(gate['points'])} lengths ({', '.join(slow)} tokens; max {gate['max_ratio']:.2f})")
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"  # "-": a file from before the field existed
 
 
 def _seconds(value: float | None) -> str:

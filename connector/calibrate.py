@@ -433,18 +433,26 @@ def summarize_gate(samples: list[dict[str, Any]], tolerance: float = GATE_TOLERA
     points = [_gate_point(tokens, runs, disk[tokens]["recompute_s"], disk[tokens]["hit_s"], tolerance)
               for tokens, runs in sorted(gated.items())]
     return {"tolerance": tolerance, "points": points, "max_ratio": max(p["ratio"] for p in points),
-            "all_ok": all(p["ok"] for p in points)}
+            "all_ok": all(p["ok"] for p in points), "all_right": all(p["right"] for p in points)}
 
 
 def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, disk_s: float,
                 tolerance: float) -> dict[str, Any]:
-    """One length of ``gate_check``; ``admitted``: how many of the gated runs loaded (the rest recomputed)."""
+    """One length of ``gate_check``; ``admitted``: how many of the gated runs loaded (the rest recomputed).
+
+    ``ok``: the gated median is at most ``tolerance`` times the better path (time, all costs
+    included). ``right``: every run took a path whose own median, measured in the recompute and
+    disk engines, is at most ``tolerance`` times the better one (the decision alone).
+    """
     seconds = [float(run["seconds"]) for run in runs]
     gated_s, best_s = median(seconds), min(recompute_s, disk_s)
     ratio = gated_s / best_s
+    admitted = sum(1 for run in runs if run["admitted"])
+    chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])
     return {"tokens": tokens, "gated_s": round(gated_s, 6), "recompute_s": recompute_s, "disk_s": disk_s,
-            "best_s": best_s, "ratio": round(ratio, 4), "admitted": sum(1 for run in runs if run["admitted"]),
-            "runs": len(runs), "ok": ratio <= tolerance, "gated_samples": seconds}
+            "best_s": best_s, "ratio": round(ratio, 4), "admitted": admitted, "runs": len(runs),
+            "ok": ratio <= tolerance, "right": all(c <= tolerance * best_s for c in chosen),
+            "gated_samples": seconds}
 
 
 def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,

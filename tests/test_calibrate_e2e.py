@@ -109,10 +109,11 @@ def test_table_shows_the_gate_check_and_its_verdict():
     text = console.file.getvalue()
     gate_table = text[text.index("gate check: TTFT"):].splitlines()
     header = next(line for line in gate_table if "┃" in line)
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", "within 5 %"]
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", "within 5 %"]
     assert [c.strip() for c in header.split("┃")] == columns
     assert [[c.strip() for c in line.split("│")] for line in gate_table if "│" in line] == [
-        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes"], ["512", "0.2000", "0.1000", "2.00", "1/1", "no"]]
+        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes", "yes"], ["512", "0.2000", "0.1000", "2.00", "1/1", "yes", "no"]]
+    assert "the gate took the slower path" not in text
     assert "gate check: gated pykv more than 5 % slower than the better of recompute and disk hit at 1 of 2 " \
            "lengths (512 tokens; max 2.00)" in text
 
@@ -258,6 +259,7 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
         assert (p["admitted"], p["runs"]) == (2 if admitted else 0, 2), (p, threshold)
         assert p["best_s"] == min(p["recompute_s"], p["disk_s"]) and p["ok"] == (p["gated_s"] / p["best_s"] <= 1.05)
     assert check["all_ok"] == all(p["ok"] for p in check["points"])
+    assert check["all_right"] == all(p["right"] for p in check["points"])
     assert check["max_ratio"] == max(p["ratio"] for p in check["points"])
     assert set(data["method"]["engine_start_s"]) == {"recompute", "store", "disk", "gated"}
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -286,6 +286,9 @@ def test_gate_check_compares_the_gated_median_with_the_better_path():
     assert (long["best_s"], long["gated_s"], long["ratio"], long["ok"]) == (0.11, 0.2, 1.8182, False)
     assert (long["admitted"], long["runs"]) == (2, 3)
     assert check["max_ratio"] == 1.8182 and check["all_ok"] is False and check["tolerance"] == 1.05
+    # the decisions: 256 recomputed (0.11 is best: right); 512 loaded twice (0.11, best: right) and
+    # recomputed once (0.30 > 1.05 x 0.11: wrong)
+    assert short["right"] is True and long["right"] is False and check["all_right"] is False
     assert json.loads(json.dumps(check)) == check  # goes into the file as it is
 
 
@@ -296,6 +299,17 @@ def test_gate_check_tolerance_is_inclusive_and_absent_without_gated_runs():
     assert at_limit["all_ok"] is True and at_limit["max_ratio"] == 1.05
     assert over["all_ok"] is False and over["points"][0]["ok"] is False
     assert summarize_gate(base) is None
+
+
+def test_gate_check_separates_a_right_decision_from_the_connectors_cost():
+    """Recompute wins at 256 and the gate refused, but the gated engine was slower than vLLM
+    alone (its connector): right decision, not within the tolerance. At 512 loading wins by
+    less than the tolerance, so recomputing is right too."""
+    samples = (runs("recompute", 256, 0.10) + runs("disk", 256, 0.30) + runs("gated", 256, 0.12, admitted=False)
+               + runs("recompute", 512, 0.104) + runs("disk", 512, 0.10) + runs("gated", 512, 0.104, admitted=False))
+    check = summarize_gate(samples)
+    assert [(p["right"], p["ok"]) for p in check["points"]] == [(True, False), (True, True)]
+    assert check["all_right"] is True and check["all_ok"] is False
 
 
 def test_gate_check_round_trips_through_the_file(tmp_path):
