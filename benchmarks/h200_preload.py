@@ -27,6 +27,19 @@ preload off (both with a DRAM tier as large as the native engine's CPU tier);
 native fs fill; native fs query. Each query engine's record has
 the worker's counters (preloads started / claimed / wasted bytes, disk bytes
 read, delivered bytes) for pykv.
+
+Stage ``R`` (issue 4's bounded speculative work): a round-robin multi-turn
+workload whose working set exceeds the DRAM tier. ``--conversations`` (6)
+conversations start from their own ``--turn-base`` (16k) token document; each
+of ``--turns`` (4) turns sends every conversation's prompt (the previous prompt
+plus ``--turn-step`` (4k) new tokens), at most ``--concurrency`` in flight, and
+waits for all before the next turn. pykv (preload on, DRAM tier ``--rr-dram-gib``)
+and vLLM's native tiering (CPU tier of the same size in front of its fs tier)
+each run it in a fresh engine on a fresh loop device. Per system: bytes read
+from the loop device (``/sys/block/loopN/stat``, all reads whatever asked for
+them) against the KV bytes delivered to the GPU (tokens served from the cache x
+KV bytes per token), TTFT per turn, and for pykv the staging high-water mark
+against its bound.
 """
 
 from __future__ import annotations
@@ -87,6 +100,27 @@ def summarize(ttfts: list[dict]) -> dict:
     return out
 
 
+def conversation_prompt(conversation: int, turn: int, base: int, step: int, vocab: int) -> list[int]:
+    """Conversation ``conversation`` at ``turn``: its base document plus ``turn`` steps of new tokens
+    (each turn's prompt extends the previous one, as a chat history does)."""
+    tokens = hc.doc_tokens(base, 5000 + conversation, vocab)
+    for k in range(turn):
+        rng = random.Random(conversation * 1_000 + k)
+        tokens += [rng.randrange(vocab) for _ in range(step)]
+    return tokens
+
+
+def loop_read_bytes(device: str | None) -> int | None:
+    """Bytes read from block device ``device`` (/dev/loopN) so far: sectors read x 512."""
+    if not device:
+        return None
+    try:
+        fields = Path(f"/sys/block/{os.path.basename(device)}/stat").read_text().split()
+        return int(fields[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # -- engine process ----------------------------------------------------------------------------------
 def burst_main(config_path: str) -> int:
     """One AsyncLLM engine: a warm-up request, then the burst; one ``burst`` record."""
@@ -141,6 +175,67 @@ def burst_main(config_path: str) -> int:
                                if isinstance(wa[k], (int, float)) and wa[k] != wb.get(k, 0)},
               "scheduler_delta": {k: sa[k] - sb.get(k, 0) for k in sorted(sa)
                                   if isinstance(sa[k], (int, float)) and sa[k] != sb.get(k, 0)}}
+    hc.emit(cfg["results"], record)
+    engine.shutdown()
+    return 0
+
+
+def turns_main(config_path: str) -> int:
+    """One AsyncLLM engine runs the round-robin turns; one ``turns`` record."""
+    cfg = json.loads(Path(config_path).read_text())
+    if cfg.get("stats"):
+        os.environ["PYKV_STATS_FILE"] = cfg["stats"]
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kw = dict(cfg["engine_kwargs"])
+    if cfg.get("ktc"):
+        kw["kv_transfer_config"] = KVTransferConfig(**cfg["ktc"])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    base, step, vocab = cfg["turn_base"], cfg["turn_step"], cfg["vocab"]
+
+    async def one(conversation: int, turn: int, gate: asyncio.Semaphore) -> dict:
+        tokens = conversation_prompt(conversation, turn, base, step, vocab)
+        async with gate:
+            submitted, first, cached = time.perf_counter(), None, 0
+            async for out in engine.generate({"prompt_token_ids": tokens}, params, f"c{conversation}t{turn}"):
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first, cached = time.perf_counter(), int(getattr(out, "num_cached_tokens", 0) or 0)
+            return {"conversation": conversation, "turn": turn, "tokens": len(tokens), "cached": cached,
+                    "ttft": (first or time.perf_counter()) - submitted}
+
+    async def run() -> tuple[list[dict], float, dict, dict, int | None, int | None]:
+        await one(10_000, 0, asyncio.Semaphore(1))  # warm-up: a conversation of its own
+        await asyncio.sleep(1.0)
+        before, read_before = hc.read_stats(cfg.get("stats")), loop_read_bytes(cfg.get("loop_dev"))
+        t0, rows = time.perf_counter(), []
+        for turn in range(cfg["turns"]):
+            gate = asyncio.Semaphore(cfg["concurrency"])
+            rows += await asyncio.gather(*(one(c, turn, gate) for c in range(cfg["conversations"])))
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(2.0)  # deferred stores and counters settle
+        return rows, wall, before, hc.read_stats(cfg.get("stats")), read_before, loop_read_bytes(cfg.get("loop_dev"))
+
+    rows, wall, before, after, read_before, read_after = asyncio.run(run())
+    wb, wa = hc.worker_counters(before), hc.worker_counters(after)
+    delivered = sum(r["cached"] for r in rows) * cfg["kv_bytes_per_token"]
+    disk_read = None if read_before is None or read_after is None else read_after - read_before
+    per_turn = {t: summarize([{"hit": t > 0, "ttft": r["ttft"]} for r in rows if r["turn"] == t])["all"]
+                for t in range(cfg["turns"])}
+    record = {"kind": "turns", "stage": cfg["stage"], "label": cfg["label"], "system": cfg["system"],
+              "conversations": cfg["conversations"], "turns": cfg["turns"], "turn_base": base, "turn_step": step,
+              "dram_bytes": cfg["dram_bytes"], "working_set_bytes": cfg["working_set_bytes"],
+              "wall_s": round(wall, 2), "ttft_per_turn": per_turn,
+              "later_turns": summarize([{"hit": True, "ttft": r["ttft"]} for r in rows if r["turn"] > 0])["all"],
+              "delivered_bytes": delivered, "disk_read_bytes": disk_read,
+              "read_per_delivered": round(disk_read / delivered, 3) if disk_read is not None and delivered else None,
+              "staging_bytes": cfg.get("staging_bytes"), "rows": rows,
+              "worker_delta": {k: wa[k] - wb.get(k, 0) for k in sorted(wa)
+                               if isinstance(wa[k], (int, float)) and wa[k] != wb.get(k, 0)},
+              "worker_after": {k: wa.get(k) for k in ("slots_high", "preload_slots_high")}}
     hc.emit(cfg["results"], record)
     engine.shutdown()
     return 0
@@ -227,6 +322,54 @@ class PreloadRunner(hc.Runner):
             if not self.dry and not self.smoke:
                 self.loop_teardown_all()
 
+    def stage_R(self) -> None:
+        """Round-robin multi-turn beyond the DRAM tier: pykv (preload on) and native tiering,
+        each on its own fresh loop device; disk bytes read against bytes delivered."""
+        self.phase_env()
+        a, info = self.a, self.info()
+        conversations, turns = (3, 3) if self.smoke else (a.conversations, a.turns)
+        base, step = (512, 256) if self.smoke else (a.turn_base, a.turn_step)
+        kv = info["kv_bytes_per_token"]
+        working = conversations * (base + (turns - 1) * step) * kv
+        dram = (1 << 20) * 3 if self.smoke else int(a.rr_dram_gib * hc.GIB)
+        size = math.ceil((int(working * 1.3) + 2 * hc.GIB) / hc.GIB) * hc.GIB
+        common = {"stage": self.stage, "results": str(self.results), "engine_kwargs": self.engine_kwargs(),
+                  "vocab": info["vocab"], "kv_bytes_per_token": kv, "conversations": conversations, "turns": turns,
+                  "turn_base": base, "turn_step": step, "concurrency": self.concurrency, "dram_bytes": dram,
+                  "working_set_bytes": working}
+        log_line = (f"stage R: {conversations} conversations x {turns} turns, {base}+{step}/turn tokens, "
+                    f"working set {working / hc.GIB:.1f} GiB, DRAM tier {dram / hc.GIB:.2f} GiB")
+        hc.log(log_line)
+        for system in ("pykv", "native_fs"):
+            mnt = self.loop_setup(f"rr-{system}", size, extra_shm=dram) if not self.smoke \
+                else str(self.work / "smoke-rr" / system)
+            try:
+                label = f"rr-{system}"
+                if system == "pykv":
+                    ktc = self.pykv_ktc(os.path.join(mnt, "pykv-tree"), dram_bytes=dram, verify="header")
+                    ktc["kv_connector_extra_config"]["preload"] = True
+                    staging = ktc["kv_connector_extra_config"].get("staging_bytes")
+                else:
+                    if self.smoke:
+                        continue  # vLLM's native tiers need CUDA
+                    ktc, staging = self.native_ktc(os.path.join(mnt, "kvfs")), None
+                    ktc["kv_connector_extra_config"]["cpu_bytes_to_use"] = dram
+                dev = None if self.smoke or self.dry else json.loads(
+                    (self.work / f"loop-rr-{system}.json").read_text())["dev"]
+                cfg = {**common, "label": label, "system": system, "ktc": ktc, "loop_dev": dev,
+                       "staging_bytes": staging, "stats": str(self.work / "stats" / label) if system == "pykv" else None}
+                if self.dry:
+                    print(f"  turns {label}: DRAM {dram} bytes, loop image {size / hc.GIB:.0f} GiB")
+                    continue
+                for f in (self.work / "stats").glob(label + ".*"):
+                    f.unlink()
+                path = self.work / "cfg" / f"{label}.json"
+                path.write_text(json.dumps(cfg, indent=1))
+                self.spawn(label, [sys.executable, str(Path(__file__).resolve()), "turns", str(path)], 420)
+            finally:
+                if not self.dry and not self.smoke:
+                    self.loop_teardown_all()
+
     def stage_P40(self) -> None:
         self.stage_burst(512 * 3 if self.smoke else STAGE_LENGTHS["P40"])
 
@@ -255,6 +398,20 @@ def report_main(files: list[str]) -> int:
                          f"{off['ttft']['all']['mean'] / on['ttft']['all']['mean']:.2f}x"
                          + (f"; vs native fs {native['ttft']['all']['mean'] / on['ttft']['all']['mean']:.2f}x"
                             if native else ""))
+    turns = {r["system"]: r for r in hc.load_records(files) if r.get("kind") == "turns"}
+    if turns:
+        lines += ["", "| round robin | working set / DRAM | later turns: TTFT mean | p90 | delivered GB | "
+                  "device read GB | read / delivered | pykv's own reads GB | staging: slots high / bound |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for system, r in sorted(turns.items()):
+            high, own = r.get("worker_after", {}).get("slots_high"), r.get("worker_delta", {}).get("disk_read_bytes")
+            bound = r.get("staging_bytes")
+            lines.append(f"| {system} | {r['working_set_bytes'] / max(1, r['dram_bytes']):.1f}x | "
+                         f"{r['later_turns']['mean']} | {r['later_turns']['p90']} | {r['delivered_bytes'] / 1e9:.2f} | "
+                         f"{'-' if r['disk_read_bytes'] is None else round(r['disk_read_bytes'] / 1e9, 2)} | "
+                         f"{r['read_per_delivered'] if r['read_per_delivered'] is not None else '-'} | "
+                         f"{'-' if own is None else round(own / 1e9, 2)} | "
+                         f"{'-' if high is None else high} / {'-' if not bound else f'{int(bound) >> 20} MiB'} |")
     print("\n".join(lines))
     return 0
 
@@ -262,7 +419,7 @@ def report_main(files: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("stage", help="run stages: P40, P80 or a comma list")
+    p = sub.add_parser("stage", help="run stages: P40, P80, R or a comma list")
     p.add_argument("stages")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--requests", type=int, default=50)
@@ -270,21 +427,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst-docs", type=int, default=4, help="stored documents the hits reuse")
     p.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs in every engine (e.g. 2 with "
                    "--concurrency 8: six requests wait in vLLM's queue, where preloading can start their reads)")
+    p.add_argument("--conversations", type=int, default=6, help="stage R: conversations")
+    p.add_argument("--turns", type=int, default=4, help="stage R: turns per conversation")
+    p.add_argument("--turn-base", type=int, default=16384, help="stage R: tokens of each conversation's document")
+    p.add_argument("--turn-step", type=int, default=4096, help="stage R: new tokens per turn")
+    p.add_argument("--rr-dram-gib", type=float, default=8.0,
+                   help="stage R: pykv's DRAM tier and the native CPU tier (GiB)")
     hc.add_run_options(p)
     p = sub.add_parser("burst", help="(internal) one engine: warm-up, then the burst")
+    p.add_argument("config")
+    p = sub.add_parser("turns", help="(internal) one engine: the round-robin turns")
     p.add_argument("config")
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
     a = ap.parse_args(argv)
     if a.cmd == "burst":
         return burst_main(a.config)
+    if a.cmd == "turns":
+        return turns_main(a.config)
     if a.cmd == "report":
         return report_main(a.files)
     runner = PreloadRunner(a)
     runner.ensure_model()
     for stage in [s.strip().upper() for s in a.stages.split(",") if s.strip()]:
-        if stage not in STAGE_LENGTHS:
-            raise SystemExit(f"unknown stage {stage!r}; choose from {', '.join(STAGE_LENGTHS)}")
+        if stage not in STAGE_LENGTHS and stage != "R":
+            raise SystemExit(f"unknown stage {stage!r}; choose from {', '.join(STAGE_LENGTHS)}, R")
         runner.stage = stage
         getattr(runner, f"stage_{stage}")()
         runner.sync_out()

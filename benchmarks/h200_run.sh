@@ -84,7 +84,7 @@ fi
 
 # 5. the stage
 SCRIPT=benchmarks/h200_connector.py
-case "$STAGE" in P*) SCRIPT=benchmarks/h200_preload.py ;; esac  # P40, P80: the preloading bursts
+case "$STAGE" in P*|R) SCRIPT=benchmarks/h200_preload.py ;; esac  # P40, P80: the preloading bursts; R: round robin
 python3 "$SCRIPT" stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
     --deadline-at $(( T0 + BUDGET )) "$@"
 rc=$?
