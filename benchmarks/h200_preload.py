@@ -267,8 +267,11 @@ class PreloadRunner(hc.Runner):
                "requests": self.requests, "concurrency": self.concurrency, "docs": self.burst_docs,
                "vocab": info["vocab"], "stats": str(self.work / "stats" / label) if stats else None}
         if self.dry:
+            extra = (ktc or {}).get("kv_connector_extra_config", {})
+            tiers = {k: extra[k] for k in ("dram_bytes", "cpu_bytes_to_use", "preload", "preload_max_bytes")
+                     if k in extra}
             print(f"  burst {label}: {system}/{variant} L={length} requests={self.requests} "
-                  f"concurrency={self.concurrency} docs={self.burst_docs}")
+                  f"concurrency={self.concurrency} docs={self.burst_docs} {tiers}")
             return 0
         for f in (self.work / "stats").glob(label + ".*"):
             f.unlink()
@@ -277,8 +280,11 @@ class PreloadRunner(hc.Runner):
         return self.spawn(label, [sys.executable, str(Path(__file__).resolve()), "burst", str(path)], 540)
 
     def burst_dram_bytes(self) -> int:
-        """pykv's DRAM tier in the query engines: what the native fs engine gets as its CPU tier."""
-        return 64 << 20 if self.smoke else int(self.fs_cpu_gib() * hc.GIB)
+        """pykv's DRAM tier in the query engines: what the native fs engine gets as its CPU tier
+        (``--query-dram-gib``, or by default the fill's CPU tier, which holds every document)."""
+        if self.smoke:
+            return 64 << 20
+        return int((self.a.query_dram_gib or self.fs_cpu_gib()) * hc.GIB)
 
     def stage_burst(self, length: int) -> None:
         self.phase_env()
@@ -302,7 +308,12 @@ class PreloadRunner(hc.Runner):
                     # the same DRAM as the native tier's CPU tier in front of its fs tier (run 4 gave pykv
                     # none and it re-read every reused document from disk: docs/benchmarks.md)
                     ktc = self.pykv_ktc(root, dram_bytes=self.burst_dram_bytes(), verify="header")
-                    ktc["kv_connector_extra_config"]["preload"] = variant == "preload-on"
+                    extra = ktc["kv_connector_extra_config"]
+                    extra["preload"] = variant == "preload-on"
+                    if not any(item.startswith("preload_max_bytes") for item in self.a.pykv_set or []):
+                        # runs 4 and 5 kept the 256M default: 9 blocks of 28 MiB, 2.3k of a waiting
+                        # request's 40k tokens, so at most 6 % of a hit could be read ahead
+                        extra["preload_max_bytes"] = int(extra["staging_bytes"]) // 2
                     self.burst(f"preload-{tag}-pykv-{variant}", system="pykv", variant=variant, ktc=ktc,
                                length=length, stats=True)
             if self.smoke:
@@ -316,8 +327,10 @@ class PreloadRunner(hc.Runner):
             if fill == 0:
                 if not self.dry:
                     self.record({"kind": "drop_caches", "stage": self.stage, "ok": hc.drop_caches()})
-                self.burst(f"preload-{tag}-native", system="native_fs", variant="", ktc=self.native_ktc(fs_root),
-                           length=length, stats=False)
+                ktc = self.native_ktc(fs_root)
+                ktc["kv_connector_extra_config"]["cpu_bytes_to_use"] = self.burst_dram_bytes()
+                self.burst(f"preload-{tag}-native", system="native_fs", variant="", ktc=ktc, length=length,
+                           stats=False)
         finally:
             if not self.dry and not self.smoke:
                 self.loop_teardown_all()
@@ -427,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst-docs", type=int, default=4, help="stored documents the hits reuse")
     p.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs in every engine (e.g. 2 with "
                    "--concurrency 8: six requests wait in vLLM's queue, where preloading can start their reads)")
+    p.add_argument("--query-dram-gib", type=float, default=None,
+                   help="P stages: pykv's DRAM tier and the native CPU tier in the query engines (GiB; default: "
+                        "the fill's CPU tier, which holds every document). Smaller than the documents: a "
+                        "disk-bound burst")
     p.add_argument("--conversations", type=int, default=6, help="stage R: conversations")
     p.add_argument("--turns", type=int, default=4, help="stage R: turns per conversation")
     p.add_argument("--turn-base", type=int, default=16384, help="stage R: tokens of each conversation's document")
