@@ -127,9 +127,14 @@ class KVTree:
         return self.root / namespace_id
 
     def block_path(self, namespace_id: str, key: bytes) -> Path:
-        """The one place that turns a (namespace, key) into a path."""
+        """The path of a (namespace, key): ``_block_name`` spells it."""
+        return Path(self._block_name(namespace_id, key))
+
+    def _block_name(self, namespace_id: str, key: bytes) -> str:
+        """The one place that turns a (namespace, key) into a path, as a string: the scheduler's
+        ``contains`` runs for every block of every request, and pathlib costs more than its ``lstat``."""
         name = key.hex()
-        return self.namespace_dir(namespace_id) / name[:2] / name[2:4].ljust(2, "0") / f"{name}{BLOCK_SUFFIX}"
+        return f"{self._namespace_prefix(namespace_id)}{name[:2]}/{name[2:4].ljust(2, '0')}/{name}{BLOCK_SUFFIX}"
 
     def temp_path(self, final: Path) -> Path:
         """A unique temp name beside ``final`` (host, pid, random)."""
@@ -177,16 +182,9 @@ class KVTree:
 
     # -- lookup, publication, access --------------------------------------------------------
     def contains(self, namespace_id: str, key: bytes) -> bool:
-        """Existence check of the final name (a symlink is not a block).
-
-        The scheduler asks this for every block of every request it looks up, so the
-        path is built as a string (the same one ``block_path`` names): pathlib would
-        cost more than the ``lstat`` itself.
-        """
-        name = key.hex()
-        path = f"{self._namespace_prefix(namespace_id)}{name[:2]}/{name[2:4].ljust(2, '0')}/{name}{BLOCK_SUFFIX}"
+        """Existence check of the final name (a symlink is not a block)."""
         try:
-            return os.lstat(path).st_mode & 0o170000 == 0o100000
+            return os.lstat(self._block_name(namespace_id, key)).st_mode & 0o170000 == 0o100000
         except OSError:
             return False
 
