@@ -122,8 +122,8 @@ def loop_read_bytes(device: str | None) -> int | None:
 
 
 # -- engine process ----------------------------------------------------------------------------------
-def burst_main(config_path: str) -> int:
-    """One AsyncLLM engine: a warm-up request, then the burst; one ``burst`` record."""
+def open_engine(config_path: str) -> tuple[dict, object, object, float]:
+    """The config of an engine process, its AsyncLLM, greedy one-token sampling, and start seconds."""
     cfg = json.loads(Path(config_path).read_text())
     if cfg.get("stats"):
         os.environ["PYKV_STATS_FILE"] = cfg["stats"]
@@ -137,8 +137,19 @@ def burst_main(config_path: str) -> int:
         kw["kv_transfer_config"] = KVTransferConfig(**cfg["ktc"])
     started = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
-    start_s = time.perf_counter() - started
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    return cfg, engine, params, time.perf_counter() - started
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """Numeric counters that changed between two snapshots, as differences."""
+    return {k: after[k] - before.get(k, 0) for k in sorted(after)
+            if isinstance(after[k], (int, float)) and after[k] != before.get(k, 0)}
+
+
+def burst_main(config_path: str) -> int:
+    """One AsyncLLM engine: a warm-up request, then the burst; one ``burst`` record."""
+    cfg, engine, params, start_s = open_engine(config_path)
     requests = workload(cfg["length"], cfg["requests"], cfg["docs"], cfg["vocab"], cfg["label"])
 
     async def one(request: dict, gate: asyncio.Semaphore, t0: float) -> dict:
@@ -171,10 +182,7 @@ def burst_main(config_path: str) -> int:
               "variant": cfg["variant"], "length": cfg["length"], "requests": cfg["requests"],
               "concurrency": cfg["concurrency"], "docs": cfg["docs"], "start_s": round(start_s, 1),
               "wall_s": round(wall, 2), "ttft": summarize(rows), "rows": rows,
-              "worker_delta": {k: wa[k] - wb.get(k, 0) for k in sorted(wa)
-                               if isinstance(wa[k], (int, float)) and wa[k] != wb.get(k, 0)},
-              "scheduler_delta": {k: sa[k] - sb.get(k, 0) for k in sorted(sa)
-                                  if isinstance(sa[k], (int, float)) and sa[k] != sb.get(k, 0)}}
+              "worker_delta": counter_delta(wb, wa), "scheduler_delta": counter_delta(sb, sa)}
     hc.emit(cfg["results"], record)
     engine.shutdown()
     return 0
@@ -182,19 +190,7 @@ def burst_main(config_path: str) -> int:
 
 def turns_main(config_path: str) -> int:
     """One AsyncLLM engine runs the round-robin turns; one ``turns`` record."""
-    cfg = json.loads(Path(config_path).read_text())
-    if cfg.get("stats"):
-        os.environ["PYKV_STATS_FILE"] = cfg["stats"]
-    from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    kw = dict(cfg["engine_kwargs"])
-    if cfg.get("ktc"):
-        kw["kv_transfer_config"] = KVTransferConfig(**cfg["ktc"])
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    cfg, engine, params, _ = open_engine(config_path)
     base, step, vocab = cfg["turn_base"], cfg["turn_step"], cfg["vocab"]
 
     async def one(conversation: int, turn: int, gate: asyncio.Semaphore) -> dict:
@@ -233,8 +229,7 @@ def turns_main(config_path: str) -> int:
               "delivered_bytes": delivered, "disk_read_bytes": disk_read,
               "read_per_delivered": round(disk_read / delivered, 3) if disk_read is not None and delivered else None,
               "staging_bytes": cfg.get("staging_bytes"), "rows": rows,
-              "worker_delta": {k: wa[k] - wb.get(k, 0) for k in sorted(wa)
-                               if isinstance(wa[k], (int, float)) and wa[k] != wb.get(k, 0)},
+              "worker_delta": counter_delta(wb, wa),
               "worker_after": {k: wa.get(k) for k in ("slots_high", "preload_slots_high")}}
     hc.emit(cfg["results"], record)
     engine.shutdown()
@@ -273,11 +268,15 @@ class PreloadRunner(hc.Runner):
             print(f"  burst {label}: {system}/{variant} L={length} requests={self.requests} "
                   f"concurrency={self.concurrency} docs={self.burst_docs} {tiers}")
             return 0
+        return self.spawn_engine(label, "burst", cfg, 540)
+
+    def spawn_engine(self, label: str, command: str, cfg: dict, timeout: float) -> int:
+        """Run ``h200_preload.py COMMAND CFG`` (``burst`` or ``turns``) with fresh stats files."""
         for f in (self.work / "stats").glob(label + ".*"):
             f.unlink()
         path = self.work / "cfg" / f"{label}.json"
         path.write_text(json.dumps(cfg, indent=1))
-        return self.spawn(label, [sys.executable, str(Path(__file__).resolve()), "burst", str(path)], 540)
+        return self.spawn(label, [sys.executable, str(Path(__file__).resolve()), command, str(path)], timeout)
 
     def burst_dram_bytes(self) -> int:
         """pykv's DRAM tier in the query engines: what the native fs engine gets as its CPU tier
@@ -374,11 +373,7 @@ class PreloadRunner(hc.Runner):
                 if self.dry:
                     print(f"  turns {label}: DRAM {dram} bytes, loop image {size / hc.GIB:.0f} GiB")
                     continue
-                for f in (self.work / "stats").glob(label + ".*"):
-                    f.unlink()
-                path = self.work / "cfg" / f"{label}.json"
-                path.write_text(json.dumps(cfg, indent=1))
-                self.spawn(label, [sys.executable, str(Path(__file__).resolve()), "turns", str(path)], 420)
+                self.spawn_engine(label, "turns", cfg, 420)
             finally:
                 if not self.dry and not self.smoke:
                     self.loop_teardown_all()
