@@ -78,6 +78,12 @@ class _Job:
     indices: list[int] = field(default_factory=list)
     parts: int = 0  # a split job: parts not finished yet, and their results merged so far
     merged: JobResult | None = None
+    unfilled: set[int] = field(default_factory=set)  # a store's chunks not yet copied out of the GPU
+
+    def holds_gpu_blocks(self) -> bool:
+        """Whether vLLM must not reuse this job's GPU blocks yet: a load until it ends, a store
+        until every chunk sits in a host slot (its disk write may still be running)."""
+        return self.is_load or bool(self.unfilled)
 
 
 class PykvWorker(OffloadingWorker):
@@ -164,7 +170,7 @@ class PykvWorker(OffloadingWorker):
             self.counters["store_blocks_paused"] += len(chunks)
             self._finish_now(job_id, failed_stores=[(c.key, False) for c in chunks])
             return True
-        job = _Job(job_id, False, chunks, ready=self.copier.mark_submitted())
+        job = _Job(job_id, False, chunks, ready=self.copier.mark_submitted(), unfilled=set(range(len(chunks))))
         blocks = [StoreBlock(self.tree.block_path(self.namespace.id, c.key), self.namespace.fingerprint, c.key,
                              self.layout.geometry(c.group), **({"slot": c.slot} if c.slot is not None else {}))
                   for c in chunks]
@@ -220,8 +226,13 @@ class PykvWorker(OffloadingWorker):
         return report
 
     def wait(self, job_ids: set[int]) -> None:
+        """Block until vLLM may reuse these jobs' GPU blocks (it calls this before handing a block
+        of an unfinished job to another request). A store releases its blocks once they are copied
+        into host slots, not when its files are written: waiting for the disk here stalled the
+        engine for the whole write (H200 run 6: 1 s per 16k-token prompt with prefix caching off,
+        whose freed blocks are reused at once)."""
         with self._lock:
-            while any(j in self._jobs for j in job_ids):
+            while any(job.holds_gpu_blocks() for j in job_ids if (job := self._jobs.get(j)) is not None):
                 self._lock.wait(1.0)
 
     def shutdown(self) -> None:
@@ -370,8 +381,13 @@ class PykvWorker(OffloadingWorker):
 
     def _filled(self, task: CopyTask, ok: bool) -> None:
         request: FillRequest = task.token
-        if not ok:
-            self._jobs[request.job].copy_failed.add(request.index)
+        with self._lock:
+            job = self._jobs[request.job]
+            if not ok:
+                job.copy_failed.add(request.index)
+            job.unfilled.discard(request.index)
+            if not job.unfilled:
+                self._lock.notify_all()
         self.reactor.filled(request.transfer, ok)
 
     def deliver(self, blocks: list[ReadyBlock]) -> None:

@@ -238,3 +238,62 @@ def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     assert manager.prepare_store(keys(2, salt=4), ctx).keys_to_store == []
     names = [n for _, _, files in os.walk(worker.tree.root) for n in files]
     assert not [n for n in names if ".tmp." in n]
+
+
+def _waiter(worker: PykvWorker, job_ids: set[int]):
+    import threading
+    thread = threading.Thread(target=worker.wait, args=(job_ids,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_wait_releases_a_store_once_its_blocks_are_copied_out_not_when_written(rig):
+    """vLLM calls wait() before reusing a finished request's GPU blocks; the disk write must not stall it."""
+    manager, worker, kv = rig()
+    ks = keys(2, salt=7)
+    held, filled = [], worker.reactor.filled
+    worker.reactor.filled = lambda transfer, ok=True: held.append((transfer, ok))  # writes start only when let go
+    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ReqContext("r")).store_spec)
+    waiter = _waiter(worker, {1})
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() blocked on a store whose blocks were already in host slots"
+    assert len(held) == 2 and worker.get_finished() == []  # copied out, nothing written yet
+    for transfer, ok in held:
+        filled(transfer, ok)
+    failed, report = run(worker, 1)
+    assert not failed and not report and worker.counters["store_published"] == 2
+
+
+def test_wait_holds_a_store_until_its_copies_end_and_a_load_until_it_ends(rig):
+    manager, worker, kv = rig()
+    ks = keys(2, salt=8)
+    copies, to_slots = [], worker.copier.to_slots
+    worker.copier.to_slots = lambda tasks, done: copies.append((tasks, done))  # device-to-host copies held
+    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ReqContext("r")).store_spec)
+    waiter = _waiter(worker, {1})
+    deadline = time.monotonic() + 10
+    while len(copies) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive(), "wait() returned while the GPU blocks were still being read"
+    for tasks, done in copies:
+        to_slots(tasks, done)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    run(worker, 1)
+    manager.complete_store(ks, ReqContext("r"))
+
+    delivered, deliver = [], worker.copier.from_slots
+    worker.copier.from_slots = lambda tasks, done: delivered.append((tasks, done))  # host-to-device copies held
+    worker.submit_load(2, manager.prepare_load(ks, ReqContext("r")), GPULoadStoreSpec(list(range(8)), [8], [0]))
+    waiter = _waiter(worker, {2})
+    deadline = time.monotonic() + 10
+    while not delivered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive(), "wait() returned before a load had written its GPU blocks"
+    for tasks, done in delivered:
+        deliver(tasks, done)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    run(worker, 2)
