@@ -10,6 +10,7 @@ accepted and ignored; any other key, or a value that does not parse, raises
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -52,6 +53,16 @@ def _positive_int(value: Any, key: str) -> int:
     if number < 1:
         raise InputError(f"{PREFIX}.{key}: expected a positive integer, got {value!r}")
     return number
+
+
+def _margin(value: Any, key: str) -> float:
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        margin = math.nan
+    if not 0 <= margin <= 10 or isinstance(value, bool):
+        raise InputError(f"{PREFIX}.{key}: expected a fraction between 0 and 10 (0.1 = 10 %), got {value!r}")
+    return margin
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -135,6 +146,9 @@ class PykvConfig:
                                       "than their tier's break-even length are refused (recomputed).", "path")
     breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "
                                     "differ from the engine's.", "bool")
+    breakeven_margin: float = _key(_margin, 0.1, "Refuse loads up to this fraction above the break-even length "
+                                   "too: near the crossing a load gains nothing on average and carries the "
+                                   "medium's spread.", "float")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # normalise defaults given in their written form

@@ -65,7 +65,7 @@ class PykvManager(OffloadingManager):
         self._stats_file = StatsFile("scheduler")
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
             pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
-            setting="kv_connector_extra_config.breakeven_file")
+            setting="kv_connector_extra_config.breakeven_file", margin=pykv.breakeven_margin)
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
         self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
         self._gate_tiers: dict[bytes, str | None] = {}  # vLLM's lookups right after reuse it

@@ -145,7 +145,7 @@ class WarmSummary:
     chunks_below_breakeven: int = 0
     chunks_missing: int = 0  # should have been stored but are not on disk (store failures)
     tokens_per_chunk: int = 0
-    breakeven_tokens: float | None = None
+    breakeven_tokens: float | None = None  # the shortest disk load the gate admits (with breakeven_margin)
     dry_run: bool = False
     seconds: float = 0.0
     bad: list[str] = field(default_factory=list)

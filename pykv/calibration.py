@@ -352,12 +352,16 @@ class BreakEvenGate:
 
     ``thresholds``: tier -> tokens (``math.inf``: every load from that tier is
     refused). A tier the calibration did not measure has no threshold: admitted.
+    ``margin``: loads are refused up to this fraction above a threshold too (near
+    the crossing a load gains nothing on average and carries the medium's spread).
     """
 
     thresholds: Mapping[str, float]
+    margin: float = 0.0
 
     def threshold(self, tier: str) -> float:
-        return self.thresholds.get(tier, 0)
+        """The shortest load admitted from ``tier``: its break-even length plus the margin."""
+        return self.thresholds.get(tier, 0) * (1 + self.margin)
 
     def admits(self, hit_tokens: int, tier: str | None) -> bool:
         """Whether loading ``hit_tokens`` tokens from ``tier`` is predicted to beat recomputing them."""
@@ -372,7 +376,7 @@ class BreakEvenGate:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], engine: Mapping[str, Any], *, override: bool = False,
-                  setting: str | None = None) -> "BreakEvenGate":
+                  setting: str | None = None, margin: float = 0.0) -> "BreakEvenGate":
         """The gate of calibration file ``path`` for ``engine`` (its ``model``, ``dtype``, ``kv_layout``).
 
         Raises ``CalibrationError`` ("<setting>: <path>: <field>: <reason>") for an unreadable
@@ -387,9 +391,9 @@ class BreakEvenGate:
             raise CalibrationError(source, exc.field, exc.reason) from None
         for mismatch in mismatches:
             log.warning("pykv: break-even override: %s", mismatch)
-        gate = cls(calibration.thresholds())
-        log.info("pykv: break-even gate from %s: %s", path,
-                 {tier: None if math.isinf(t) else int(t) for tier, t in gate.thresholds.items()})
+        gate = cls(calibration.thresholds(), margin)
+        log.info("pykv: break-even gate from %s: %s (margin %g)", path,
+                 {tier: None if math.isinf(t) else int(t) for tier, t in gate.thresholds.items()}, margin)
         return gate
 
 

@@ -19,6 +19,8 @@ def test_defaults_and_written_forms():
     assert config.fsync is True and config.file_mode == 0o640 and config.dir_mode == 0o700
     assert config.store_retry_interval == 120.0
     assert PykvConfig.from_extra_config({"root": "/t"}).staging_bytes == 1 << 30
+    assert PykvConfig.from_extra_config({"root": "/t"}).breakeven_margin == 0.1
+    assert PykvConfig.from_extra_config({"root": "/t", "breakeven_margin": "0"}).breakeven_margin == 0.0
 
 
 def test_vllm_keys_are_ignored():
@@ -30,7 +32,8 @@ def test_vllm_keys_are_ignored():
 @pytest.mark.parametrize("key, value", [
     ("io_depth", 0), ("io_depth", "many"), ("io_depth", True), ("staging_bytes", "lots"), ("io_engine", "aio"),
     ("dram_policy", "mru"), ("verify", "none"), ("fsync", "maybe"), ("file_mode", "0999"), ("bogus", 1),
-    ("store_retry_interval", "soon"),
+    ("store_retry_interval", "soon"), ("breakeven_margin", -0.1), ("breakeven_margin", "some"),
+    ("breakeven_margin", True),
 ])
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(InputError, match=rf"kv_connector_extra_config\.{key}: "):

@@ -30,6 +30,13 @@ def test_never_winning_tier_refuses_everything_and_unmeasured_tier_admits():
     assert gate.admits(1, "dram")  # not calibrated: no threshold
 
 
+def test_margin_refuses_loads_just_above_the_threshold():
+    gate = BreakEvenGate({"disk": 1000, "dram": 0, "never": math.inf}, margin=0.1)
+    assert gate.threshold("disk") == pytest.approx(1100)
+    assert not gate.admits(1000, "disk") and not gate.admits(1099, "disk") and gate.admits(1100, "disk")
+    assert gate.admits(1, "dram") and not gate.admits(10**9, "never")
+
+
 def test_nothing_to_load_is_never_a_refusal():
     gate = BreakEvenGate({"disk": math.inf})
     assert gate.admits(0, None) and gate.admits(0, "disk")
@@ -208,8 +215,9 @@ def test_file_for_another_engine_refuses_to_start_unless_overridden(tmp_path, ca
         manager(tmp_path, breakeven_file=path)
     with caplog.at_level(logging.WARNING, logger="pykv"):
         m = manager(tmp_path, breakeven_file=path, breakeven_override="true")
-    assert m.gate == BreakEvenGate({"disk": 100})
+    assert m.gate == BreakEvenGate({"disk": 100}, 0.1)  # breakeven_margin's default
     assert f"{field}: calibrated for" in caplog.text
+    assert manager(tmp_path, breakeven_file=path, breakeven_override="true", breakeven_margin="0.25").gate.margin == 0.25
 
 
 # -- the connector hook --------------------------------------------------------------------

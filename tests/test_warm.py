@@ -163,7 +163,7 @@ def warm_runs(tmp_path_factory):
                                        "tiers": {"disk": {"break_even_tokens": 768}}}))
     gated = write(work / "gated.jsonl", lines[:1] + [json.dumps({"prompt_token_ids": tokens(95, 600)})])
     runs["gated"] = invoke(*base[:1], gated, *base[1:], "--dry-run", "--set", f"breakeven_file={calibration}",
-                           "--set", "breakeven_override=true")
+                           "--set", "breakeven_margin=0", "--set", "breakeven_override=true")
     return runs
 
 
