@@ -344,7 +344,8 @@ class PreloadRunner(hc.Runner):
         kv = info["kv_bytes_per_token"]
         working = conversations * (base + (turns - 1) * step) * kv
         dram = (1 << 20) * 3 if self.smoke else int(a.rr_dram_gib * hc.GIB)
-        size = math.ceil((int(working * 1.3) + 2 * hc.GIB) / hc.GIB) * hc.GIB
+        # 2x the working set: vLLM 0.26's native fs tier filled a 1.3x image and died (run 6b, ENOSPC)
+        size = math.ceil((int(working * 2) + 2 * hc.GIB) / hc.GIB) * hc.GIB
         common = {"stage": self.stage, "results": str(self.results), "engine_kwargs": self.engine_kwargs(),
                   "vocab": info["vocab"], "kv_bytes_per_token": kv, "conversations": conversations, "turns": turns,
                   "turn_base": base, "turn_step": step, "concurrency": self.concurrency, "dram_bytes": dram,

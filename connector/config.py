@@ -61,7 +61,7 @@ def _margin(value: Any, key: str) -> float:
     except (TypeError, ValueError):
         margin = math.nan
     if not 0 <= margin <= 10 or isinstance(value, bool):
-        raise InputError(f"{PREFIX}.{key}: expected a fraction between 0 and 10 (0.1 = 10 %), got {value!r}")
+        raise InputError(f"{PREFIX}.{key}: expected a fraction between 0 and 10 (0.05 = 5 %), got {value!r}")
     return margin
 
 
@@ -146,7 +146,7 @@ class PykvConfig:
                                       "than their tier's break-even length are refused (recomputed).", "path")
     breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "
                                     "differ from the engine's.", "bool")
-    breakeven_margin: float = _key(_margin, 0.1, "Refuse loads up to this fraction above the break-even length "
+    breakeven_margin: float = _key(_margin, 0.05, "Refuse loads up to this fraction above the break-even length "
                                    "too: near the crossing a load gains nothing on average and carries the "
                                    "medium's spread.", "float")
 

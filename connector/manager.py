@@ -11,6 +11,12 @@ exists, which happens only after a worker published it. Failures come back from
 the workers as ``WorkerReport``s (``on_worker_report``) no later than the job's
 completion, so a key whose load failed is forgotten before vLLM retries the
 request and the retry misses instead of looping.
+
+Early release (one worker): a store whose blocks all have DRAM slots ends, for
+vLLM, as soon as the blocks are in those slots; ``complete_store`` then makes them
+DRAM hits at once, and keeps each slot pinned while the worker still writes the
+file from it, until the worker's ``stores_ended`` says the write is over (either
+message may come first).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pykv.connector.compat import (
     RequestOffloadingContext,
 )
 from pykv.connector.config import PykvConfig
-from pykv.connector.layout import namespace_for, slot_bytes, slot_counts
+from pykv.connector.layout import early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
 from pykv.connector.statsfile import StatsFile
 
@@ -57,6 +63,10 @@ class PykvManager(OffloadingManager):
         _, dram_slots = slot_counts(pykv, config)
         self.dram = DramIndex(dram_slots, pykv.dram_policy)
         self._pending_stores: set[bytes] = set()
+        self.early_release = early_release_enabled(config)
+        self._writing: set[bytes] = set()  # committed DRAM entries whose file a worker still writes from the slot
+        self._ended: set[bytes] = set()  # writes reported ended before vLLM completed their store
+        self._drop_when_written: set[bytes] = set()  # invalidated while written: dropped when the write ends
         self._stores_paused_until = 0.0
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
@@ -151,7 +161,8 @@ class PykvManager(OffloadingManager):
             entry = self.dram.entry(key)
             if entry is not None:
                 self.dram.unpin(key)
-                self.dram.commit(key)
+                if key not in self._drop_when_written:  # forgotten while still written: stays a miss
+                    self.dram.commit(key)
         self._write_stats()
 
     # -- stores --------------------------------------------------------------------------------
@@ -181,31 +192,61 @@ class PykvManager(OffloadingManager):
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
+        """DRAM entries become hits; with early release a slot stays pinned until its write ends."""
         for key in keys:
             self._pending_stores.discard(key)
-            if self.dram.entry(key) is not None:
+            if self.dram.entry(key) is None:
+                self._ended.discard(key)
+                continue
+            if not success:
+                self._release_write(key)
+                self.dram.drop(key)
+                continue
+            self.dram.commit(key)
+            if not self.early_release or key in self._ended:
+                self._ended.discard(key)
                 self.dram.unpin(key)
-                if success:
-                    self.dram.commit(key)
-                else:
-                    self.dram.drop(key)
+            else:
+                self._writing.add(key)
         self._write_stats()
+
+    def _release_write(self, key: bytes) -> None:
+        """The write from ``key``'s DRAM slot is over: unpin it (or drop it, if invalidated meanwhile)."""
+        if key in self._writing:
+            self._writing.discard(key)
+            self.dram.unpin(key)
+            if key in self._drop_when_written:
+                self._drop_when_written.discard(key)
+                self.dram.drop(key)
+        elif key in self._pending_stores:  # vLLM has not completed the store yet
+            self._ended.add(key)
 
     # -- worker feedback -----------------------------------------------------------------------
     def on_worker_report(self, report: WorkerReport) -> None:
         """Apply a worker's failures. Called before vLLM's ``complete_*`` of the same step."""
         for key in report.failed_loads:
-            self.dram.drop(key)
+            self._forget(key)
             self.counters[Metric.LOAD_FAILURES] += 1
+        for key in report.stores_ended:
+            self._release_write(key)
         for key, dram_ok in report.failed_stores:
             self.counters[Metric.STORE_FAILURES] += 1
             if not dram_ok:
-                self.dram.drop(key)
+                self._forget(key)
         if report.store_error and self._clock() >= self._stores_paused_until:
             self._stores_paused_until = self._clock() + self.pykv.store_retry_interval
             log.warning("pykv: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
                         self.pykv.root, report.store_error, self.pykv.store_retry_interval)
         self._write_stats()
+
+    def _forget(self, key: bytes) -> None:
+        """Drop ``key``'s DRAM entry; one a worker still writes from misses from now on and
+        keeps its slot until that write ends."""
+        if key in self._writing:
+            self.dram.invalidate(key)
+            self._drop_when_written.add(key)
+        else:
+            self.dram.drop(key)
 
     # -- preloading (connector hooks; see pykv.preload) ------------------------------------------
     def preload_candidate(self, req_id: str, keys: list[bytes]) -> None:
@@ -241,8 +282,11 @@ class PykvManager(OffloadingManager):
         return RequestOffloadingContext(policy=compat.DEFAULT_OFFLOAD_POLICY)
 
     def reset_cache(self) -> None:
-        self.dram.clear()
+        """Forget the DRAM tier, except slots workers still write from (dropped when written)."""
+        self.dram.clear(keep=self._writing)
+        self._drop_when_written = set(self._writing)
         self._pending_stores.clear()
+        self._ended.clear()
 
     def get_stats(self):
         """pykv's counters since the last call, as vLLM ``OffloadingConnectorStats``."""

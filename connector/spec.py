@@ -119,15 +119,19 @@ class WorkerReport:
     ``failed_stores``: (key, dram_ok) for stores that did not reach disk; ``dram_ok`` says
     the DRAM slot nevertheless holds the block. ``store_error``: a disk-level store
     failure reason (disk full, read-only), which pauses stores for a while.
+    ``stores_ended``: keys stored through a DRAM slot whose write has ended (published
+    or failed), so the slot may be reused; sent by workers that release such stores
+    to vLLM as soon as the blocks are in their slots (``PykvWorker.early_release``).
     """
 
     def __init__(self) -> None:
         self.failed_loads: list[bytes] = []
         self.failed_stores: list[tuple[bytes, bool]] = []
         self.store_error: str | None = None
+        self.stores_ended: list[bytes] = []
 
     def __bool__(self) -> bool:
-        return bool(self.failed_loads or self.failed_stores or self.store_error)
+        return bool(self.failed_loads or self.failed_stores or self.store_error or self.stores_ended)
 
     def merge(self, other: "WorkerReport | None") -> "WorkerReport":
         merged = WorkerReport()
@@ -136,4 +140,5 @@ class WorkerReport:
                 merged.failed_loads += part.failed_loads
                 merged.failed_stores += part.failed_stores
                 merged.store_error = merged.store_error or part.store_error
+                merged.stores_ended += part.stores_ended
         return merged

@@ -42,7 +42,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.connector.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
+from pykv.connector.layout import BlockLayout, early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 from pykv.connector.statsfile import StatsFile
 
@@ -79,6 +79,9 @@ class _Job:
     parts: int = 0  # a split job: parts not finished yet, and their results merged so far
     merged: JobResult | None = None
     unfilled: set[int] = field(default_factory=set)  # a store's chunks not yet copied out of the GPU
+    filled_bytes: int = 0
+    staged: int = 0  # a store's blocks whole (payload and header) in their slots
+    released: bool = False  # a store already reported to vLLM (early release); its writes go on
 
     def holds_gpu_blocks(self) -> bool:
         """Whether vLLM must not reuse this job's GPU blocks yet: a load until it ends, a store
@@ -128,6 +131,7 @@ class PykvWorker(OffloadingWorker):
         self._failed_jobs: set[int] = set()
         self._report = WorkerReport()
         self._stats_file = StatsFile(f"worker{self.rank}")
+        self.early_release = early_release_enabled(config)
         self.reactor = Reactor(backend, self.pool, self.tree,
                                config=reactor_config,
                                sink=self, source=self, on_job_done=self._on_job_done)
@@ -386,9 +390,33 @@ class PykvWorker(OffloadingWorker):
             if not ok:
                 job.copy_failed.add(request.index)
             job.unfilled.discard(request.index)
+            job.filled_bytes += request.length
             if not job.unfilled:
                 self._lock.notify_all()
         self.reactor.filled(request.transfer, ok)
+
+    def staged(self, job_id: object, index: int) -> None:
+        """(Reactor thread.) Block ``index`` of a store is whole in its slot, header included."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return
+            job.staged += 1
+            if job.staged == len(job.chunks):
+                self._release_early(job)
+
+    def _release_early(self, job: _Job) -> None:
+        """(Lock held.) A store whose blocks all sit in their DRAM slots ends for vLLM now: the
+        manager makes them DRAM hits and keeps the slots pinned until ``stores_ended``. A turn of
+        a conversation that comes back while its files are still being written then hits DRAM
+        (H200 run 6, stage R: 7 of 18 such requests missed everything while the writes ran)."""
+        if (not self.early_release or job.is_load or job.released or job.copy_failed
+                or any(c.slot is None for c in job.chunks)):
+            return
+        job.released = True
+        self.counters["store_jobs_released_early"] += 1
+        self._finished.append((TransferResult(job.job_id, True, job.filled_bytes, time.monotonic() - job.started),
+                               [], WorkerReport()))
 
     def deliver(self, blocks: list[ReadyBlock]) -> None:
         tasks = []
@@ -433,10 +461,15 @@ class PykvWorker(OffloadingWorker):
                     report.store_error = reason
             if report.store_error:
                 self._pause_stores(report.store_error)
+            if self.early_release:
+                report.stores_ended = [c.key for c in job.chunks if c.slot is not None]
         with self._lock:
             del self._jobs[job.job_id]
-            self._finished.append((TransferResult(job.job_id, True, result.bytes, result.seconds), failed_ids,
-                                   report))
+            if job.released:  # vLLM has this job already: only the report is left to send
+                self._report = self._report.merge(report)
+            else:
+                self._finished.append((TransferResult(job.job_id, True, result.bytes, result.seconds), failed_ids,
+                                       report))
             self._lock.notify_all()
 
     # -- failures --------------------------------------------------------------------------------

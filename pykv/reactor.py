@@ -98,6 +98,10 @@ class LoadSink(Protocol):
 class StoreSource(Protocol):
     def fill(self, requests: list[FillRequest]) -> None: ...
 
+    # Optional: ``staged(job, index)`` once block ``index`` of ``job`` is whole in its slot
+    # (payload and header), before its write starts; a slot that the caller owns (DRAM tier)
+    # can serve loads from then on.
+
 
 @dataclass
 class JobResult:
@@ -555,16 +559,27 @@ class Reactor:
         t = self._transfers[tid]
         if not ok:
             self._fail(t, "source could not fill the slot")
+        else:
+            self._seal(t)
         self.policy.filled(tid, ok)
+        staged = getattr(self.source, "staged", None)
+        if ok and staged is not None:
+            staged(t.job.result.job, t.index)
+
+    def _seal(self, t: _Transfer) -> None:
+        """Put the header of a filled store block into its slot: the slot now holds the whole block."""
+        block = t.block
+        payload = self.pool.payload_view(t.slot, block.geometry.payload_length)
+        t.header = build_header(block.namespace, block.key, block.geometry, payload)
+        encode_header(t.header, self.pool.view(t.slot))
+        t.expected = t.header.file_size
 
     def _start_write(self, tid: int) -> IoRequest | None:
         t = self._transfers[tid]
         block = t.block
         assert isinstance(block, StoreBlock)
-        payload = self.pool.payload_view(t.slot, block.geometry.payload_length)
-        t.header = build_header(block.namespace, block.key, block.geometry, payload)
-        encode_header(t.header, self.pool.view(t.slot))
-        t.expected = t.header.file_size
+        if t.header is None:  # sealed when filled
+            self._seal(t)
         self._zero_padding(t)
         try:
             self.tree.ensure_parent(block.path)

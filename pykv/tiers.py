@@ -203,6 +203,13 @@ class DramIndex:
         self._free.append(entry.slot)
         return True
 
+    def invalidate(self, key: Key) -> None:
+        """Make a valid entry pending again: lookups miss it, eviction skips it, its slot stays
+        taken until ``drop`` (for a slot a transfer still reads)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.valid = False
+
     def pin(self, key: Key) -> None:
         self._entries[key].pins += 1
 
@@ -222,11 +229,18 @@ class DramIndex:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def clear(self) -> None:
-        """Forget every entry (pinned or not) and reset the policy."""
+    def clear(self, keep: Iterable[Key] = ()) -> None:
+        """Forget every entry (pinned or not) and reset the policy; entries in ``keep`` (slots a
+        transfer still reads) stay, invalidated, until dropped."""
+        kept = {k: self._entries[k] for k in keep if k in self._entries}
         self._entries.clear()
         self._policy.clear()
-        self._free = collections.deque(range(self.capacity))
+        taken = {entry.slot for entry in kept.values()}
+        self._free = collections.deque(s for s in range(self.capacity) if s not in taken)
+        for key, entry in kept.items():
+            entry.valid = False
+            self._entries[key] = entry
+            self._policy.insert(key)
 
     def _evictable(self, key: Key) -> bool:
         entry = self._entries.get(key)

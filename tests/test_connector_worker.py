@@ -15,7 +15,9 @@ from pykv.format import HEADER_SIZE  # noqa: E402
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, ReqContext  # noqa: E402
 from pykv.connector.config import PykvConfig  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
+from pykv.connector.spec import WorkerReport  # noqa: E402
 from pykv.connector.worker import PykvWorker  # noqa: E402
+from worker_helpers import settle_stores  # noqa: E402
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor, LookupResult  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
@@ -132,8 +134,10 @@ def store_through_dram(manager, worker, kv, ks: list[bytes], ctx, value: int) ->
     out = manager.prepare_store(ks, ctx)
     assert all(s >= 0 for s in out.store_spec.dram_slots)
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), out.store_spec)
-    run(worker, 1)
+    _, report = run(worker, 1)
+    manager.on_worker_report(report)
     manager.complete_store(ks, ctx)
+    settle_stores(manager, worker, ks)
 
 
 def test_dram_hit_reads_no_disk(rig):
@@ -297,3 +301,82 @@ def test_wait_holds_a_store_until_its_copies_end_and_a_load_until_it_ends(rig):
     waiter.join(timeout=10)
     assert not waiter.is_alive()
     run(worker, 2)
+
+
+def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig):
+    """Early release: vLLM gets the store job once the blocks are in their DRAM slots; the slots
+    stay pinned until the worker reports the end of the writes."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=9)
+    for layer in kv:
+        layer[:12].fill_(3)
+    reactor = worker.reactor
+    held, start_write = [], reactor._start_write
+    reactor._start_write = lambda tid: held.append(tid)  # sealed blocks, but no write starts yet
+    worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
+    failed, report = run(worker, 1)  # finished for vLLM with every write still held
+    assert len(held) == 3 and not failed and not report.stores_ended
+    manager.complete_store(ks, ctx)
+    assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in ks)
+    assert not any(worker.tree.contains(worker.namespace.id, k) for k in ks)  # DRAM hits only
+    assert all(manager.dram.entry(k).pins == 1 for k in ks)  # the writes still read the slots
+
+    spec = manager.prepare_load(ks, ctx)  # a later turn of the conversation loads them from DRAM
+    assert spec.resident == (True, True, True)
+    worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
+    assert not run(worker, 2)[0]
+    manager.complete_load(ks, ctx)
+    assert all(bool((layer[40:52] == 3).all()) for layer in kv)
+
+    reactor._start_write = start_write
+    reactor._post(lambda: reactor.backend.submit([start_write(tid) for tid in held]))
+    settle_stores(manager, worker, ks)
+    assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager._writing
+    assert all(worker.tree.contains(worker.namespace.id, k) for k in ks)
+    assert worker.counters["store_jobs_released_early"] == 1 and worker.counters["store_published"] == 3
+
+
+def test_a_write_that_ends_before_vllm_completes_the_store_unpins_at_completion(rig):
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(2, salt=10)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ctx).store_spec)
+    _, report = run(worker, 1)
+    deadline = time.monotonic() + 20
+    while len(report.stores_ended) < len(ks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        report = report.merge(worker.take_report())
+    assert sorted(report.stores_ended) == sorted(ks)
+    manager.on_worker_report(report)  # the end of the writes first ...
+    manager.complete_store(ks, ctx)  # ... then vLLM's completion
+    assert all(manager.dram.entry(k).pins == 0 and manager.dram.lookup(k) is not None for k in ks)
+    assert not manager._writing and not manager._ended
+
+
+def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(rig):
+    """A failed DRAM load (or reset_cache) while the file is written from the slot: the entry
+    misses from then on, but its slot is freed only when the write ends."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(2, salt=11)
+    out = manager.prepare_store(ks, ctx)
+    slots = set(out.store_spec.dram_slots)
+    manager.complete_store(ks, ctx)  # early release: the writes have not ended
+    assert manager._writing == set(ks)
+    spec = manager.prepare_load(ks[:1], ctx)  # a DRAM load of the first block fails ...
+    assert spec.resident == (True,)
+    report = WorkerReport()
+    report.failed_loads = [ks[0]]
+    manager.on_worker_report(report)
+    manager.complete_load(ks[:1], ctx)  # ... and its completion does not make it a hit again
+    assert manager.lookup(ks[0], ctx) is LookupResult.MISS
+    manager.reset_cache()
+    assert all(manager.lookup(k, ctx) is LookupResult.MISS for k in ks)
+    others = keys(manager.dram.capacity, salt=12)
+    taken = {s for s in manager.prepare_store(others, ctx).store_spec.dram_slots if s >= 0}
+    assert not taken & slots and len(taken) == manager.dram.capacity - 2
+    ended = WorkerReport()
+    ended.stores_ended = list(ks)
+    manager.on_worker_report(ended)
+    assert all(manager.dram.entry(k) is None for k in ks) and manager.dram.free_slots == 2

@@ -215,7 +215,7 @@ def test_file_for_another_engine_refuses_to_start_unless_overridden(tmp_path, ca
         manager(tmp_path, breakeven_file=path)
     with caplog.at_level(logging.WARNING, logger="pykv"):
         m = manager(tmp_path, breakeven_file=path, breakeven_override="true")
-    assert m.gate == BreakEvenGate({"disk": 100}, 0.1)  # breakeven_margin's default
+    assert m.gate == BreakEvenGate({"disk": 100}, 0.05)  # breakeven_margin's default
     assert f"{field}: calibrated for" in caplog.text
     assert manager(tmp_path, breakeven_file=path, breakeven_override="true", breakeven_margin="0.25").gate.margin == 0.25
 

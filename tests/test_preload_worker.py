@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from test_connector_worker import BLOCKS, BPC, kv_caches, offloading_config  # noqa: E402
+from worker_helpers import settle_stores  # noqa: E402
 
 from pykv.connector.compat import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 from pykv.connector.config import PykvConfig  # noqa: E402
@@ -74,6 +75,7 @@ def store(manager, worker, keys, job: int, first_block: int = 0) -> None:
         worker.submit_store(job, gpu(first_block, len(out.keys_to_store)), out.store_spec)
         wait_jobs(worker, {job})
     manager.complete_store(out.keys_to_store, ReqContext("store"))
+    settle_stores(manager, worker, out.keys_to_store)
 
 
 def send_plan(manager, worker) -> None:
