@@ -99,3 +99,27 @@ def test_bad_arguments():
         DramIndex(1, "mru")
     with pytest.raises(ValueError):
         DramIndex(-1)
+
+
+def test_invalidate_makes_an_entry_miss_and_keeps_its_slot_until_dropped():
+    index = DramIndex(2)
+    slot = index.allocate("a")
+    index.commit("a")
+    index.invalidate("a")
+    assert index.lookup("a") is None and "a" in index
+    assert index.allocate("b") is not None and index.allocate("c") is None  # "a" is not evicted
+    index.drop("a")
+    assert index.allocate("c") == slot
+
+
+def test_clear_keeps_the_slots_it_is_told_to_keep_invalidated():
+    index = DramIndex(3)
+    for key in "abc":
+        index.allocate(key)
+        index.commit(key)
+    kept = index.entry("b").slot
+    index.clear(keep=["b"])
+    assert len(index) == 1 and index.lookup("b") is None and index.free_slots == 2
+    assert kept not in {index.allocate("x"), index.allocate("y")} and index.allocate("z") is None
+    index.drop("b")
+    assert index.allocate("z") == kept
