@@ -582,10 +582,8 @@ def engine_main(plan_path: str, events_path: str) -> None:
              seconds=round(seconds, 6), cached_tokens=cached, loaded=loaded)
     emit(event="done")
     out.close()
-    try:  # stop the engine-core processes now rather than leave them to the caller
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - the caller ends the process group anyway
-        pass
+    from pykv.connector import compat
+    compat.shutdown_engine(llm)  # stop the engine-core processes now rather than leave them to the caller
 
 
 if __name__ == "__main__":

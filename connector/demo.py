@@ -45,6 +45,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from pykv.connector import compat
     from pykv.connector.config import PykvConfig
     from pykv.connector.tiny_model import make_tiny_llama
 
@@ -65,6 +66,7 @@ def main() -> None:
             wait_for_blocks(args.root, PROMPT_TOKENS // STORAGE_BLOCK_TOKENS)
     counters = read_counters(os.environ["PYKV_STATS_FILE"]) if "PYKV_STATS_FILE" in os.environ else {}
     args.out.write_text(json.dumps({"runs": runs, "counters": counters}))
+    compat.shutdown_engine(llm)  # before os._exit: the engine core would otherwise outlive us
 
 
 if __name__ == "__main__":
