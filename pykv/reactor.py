@@ -577,9 +577,7 @@ class Reactor:
     def _start_write(self, tid: int) -> IoRequest | None:
         t = self._transfers[tid]
         block = t.block
-        assert isinstance(block, StoreBlock)
-        if t.header is None:  # sealed when filled
-            self._seal(t)
+        assert isinstance(block, StoreBlock) and t.header is not None  # sealed in _on_filled
         self._zero_padding(t)
         try:
             self.tree.ensure_parent(block.path)

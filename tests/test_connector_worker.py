@@ -268,38 +268,37 @@ def test_wait_releases_a_store_once_its_blocks_are_copied_out_not_when_written(r
     assert not failed and not report and worker.counters["store_published"] == 2
 
 
+def _wait_blocks_until_released(worker: PykvWorker, job: int, held: list, wanted: int, release, why: str) -> None:
+    """``wait({job})`` blocks while the ``wanted`` copies the test intercepted into ``held`` are
+    held back, and returns once ``release`` has run them."""
+    waiter = _waiter(worker, {job})
+    deadline = time.monotonic() + 10
+    while len(held) < wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive(), why
+    for tasks, done in held:
+        release(tasks, done)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+
+
 def test_wait_holds_a_store_until_its_copies_end_and_a_load_until_it_ends(rig):
     manager, worker, kv = rig()
     ks = keys(2, salt=8)
     copies, to_slots = [], worker.copier.to_slots
     worker.copier.to_slots = lambda tasks, done: copies.append((tasks, done))  # device-to-host copies held
     worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ReqContext("r")).store_spec)
-    waiter = _waiter(worker, {1})
-    deadline = time.monotonic() + 10
-    while len(copies) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiter.join(timeout=0.3)
-    assert waiter.is_alive(), "wait() returned while the GPU blocks were still being read"
-    for tasks, done in copies:
-        to_slots(tasks, done)
-    waiter.join(timeout=10)
-    assert not waiter.is_alive()
+    _wait_blocks_until_released(worker, 1, copies, 2, to_slots,
+                                "wait() returned while the GPU blocks were still being read")
     run(worker, 1)
     manager.complete_store(ks, ReqContext("r"))
 
     delivered, deliver = [], worker.copier.from_slots
     worker.copier.from_slots = lambda tasks, done: delivered.append((tasks, done))  # host-to-device copies held
     worker.submit_load(2, manager.prepare_load(ks, ReqContext("r")), GPULoadStoreSpec(list(range(8)), [8], [0]))
-    waiter = _waiter(worker, {2})
-    deadline = time.monotonic() + 10
-    while not delivered and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiter.join(timeout=0.3)
-    assert waiter.is_alive(), "wait() returned before a load had written its GPU blocks"
-    for tasks, done in delivered:
-        deliver(tasks, done)
-    waiter.join(timeout=10)
-    assert not waiter.is_alive()
+    _wait_blocks_until_released(worker, 2, delivered, 1, deliver,
+                                "wait() returned before a load had written its GPU blocks")
     run(worker, 2)
 
 
