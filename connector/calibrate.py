@@ -46,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from pykv.calibration import TIERS, Calibration, fit_tiers, median
 from pykv.errors import InputError, PykvError
@@ -221,12 +221,13 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
         bandwidth = _read_bandwidth(bench_raw, scratch, run.bandwidth_bytes) if direct else None
         done += 1
         samples: list[dict[str, Any]] = []
+        settles: list[dict[str, Any]] = []  # the store engine's waits for its writes between lengths
         engines: dict[str, dict[str, Any]] = {}
         dropped: dict[str, str | None] = {}  # phase -> page cache outcome before it
 
         def assemble() -> Calibration:
             return _assemble(run, samples, engines, direct=direct, direct_note=direct_note, bandwidth=bandwidth,
-                             dropped=dropped, dram_bytes=dram_bytes, per_token=per_token)
+                             dropped=dropped, dram_bytes=dram_bytes, per_token=per_token, settles=settles)
 
         for phase in phases:
             if phase.name == "gated":  # the thresholds fitted so far, as the gated engine will read them
@@ -235,6 +236,9 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
                 dropped[phase.name] = drop_caches(run.drop_caches)
             with contextlib.closing(_run_phase(run, phase, work)) as events:
                 for event in events:
+                    if event["event"] == "settled":
+                        settles.append({k: event[k] for k in ("tokens", "seconds", "complete")})
+                        continue
                     done += 1
                     if event["event"] == "started":
                         engines[phase.name] = event
@@ -457,7 +461,7 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
 
 def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,
               direct: bool, direct_note: str, bandwidth: float | None, dropped: dict[str, str | None],
-              dram_bytes: int | None, per_token: int | None) -> Calibration:
+              dram_bytes: int | None, per_token: int | None, settles: Sequence[dict[str, Any]] = ()) -> Calibration:
     """The calibration of the samples so far (``dropped``: phase -> page cache outcome before it)."""
     store = engines["store"]["engine"]
     namespace = store.get("namespace") or {}
@@ -487,6 +491,7 @@ def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[
         "pykv_settings": run.settings,
         "recompute": {"points": recompute},
         "cold": {"points": cold},
+        "store_settle": list(settles),
     }
     gate_check = summarize_gate(samples)
     if gate_check is not None:
@@ -528,8 +533,9 @@ def _worker_loads(stats: str) -> dict[str, int]:
     return {tier: int(worker.get(f"load_blocks_{tier}", 0)) for tier in TIERS}
 
 
-def _settle(stats: str, timeout: float) -> None:
-    """Wait until the store engine's stores are published and committed (nothing pending, no change)."""
+def _settle(stats: str, timeout: float) -> bool:
+    """Wait until the store engine's stores are published and committed (nothing pending, no
+    change); False if they were still pending after ``timeout`` seconds."""
     from pykv.connector.demo import read_counters
     deadline, previous = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
@@ -537,10 +543,11 @@ def _settle(stats: str, timeout: float) -> None:
         busy = counters.get("scheduler", {}).get("pending_stores", 0) or any(
             v.get("jobs_in_flight", 0) for k, v in counters.items() if k.startswith("worker"))
         if counters and not busy and counters == previous:
-            return
+            return True
         previous = counters
         time.sleep(0.3)
     log.warning("pykv calibrate: stores still pending after %.0f s", timeout)
+    return False
 
 
 def engine_main(plan_path: str, events_path: str) -> None:
@@ -561,7 +568,10 @@ def engine_main(plan_path: str, events_path: str) -> None:
     stats, block_tokens = plan["stats"], plan["block_tokens"]
     for step in plan["steps"]:
         if step["op"] == "settle":
-            _settle(stats, timeout=60 + step["tokens"] / 1000)
+            began = time.perf_counter()
+            complete = _settle(stats, timeout=60 + step["tokens"] / 1000)
+            emit(event="settled", tokens=step["tokens"], seconds=round(time.perf_counter() - began, 3),
+                 complete=complete)
             continue
         prompt = {"prompt_token_ids": prompt_tokens(step["tokens"], step["seed"])}
         before = _worker_loads(stats) if root else {}

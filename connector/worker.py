@@ -131,6 +131,7 @@ class PykvWorker(OffloadingWorker):
         self._failed_jobs: set[int] = set()
         self._report = WorkerReport()
         self._stats_file = StatsFile(f"worker{self.rank}")
+        self._stats_lock = threading.Lock()
         self.early_release = early_release_enabled(config)
         self.reactor = Reactor(backend, self.pool, self.tree,
                                config=reactor_config,
@@ -474,6 +475,10 @@ class PykvWorker(OffloadingWorker):
                 self._finished.append((TransferResult(job.job_id, True, result.bytes, result.seconds), failed_ids,
                                        report))
             self._lock.notify_all()
+        if job.released:
+            # An idle engine stops calling get_finished once it has every job, so the end of these
+            # writes is written out here (calibrate's settle step waits for it: H200 run 7).
+            self._write_stats()
 
     # -- failures --------------------------------------------------------------------------------
     def _quarantine_if_corrupt(self, chunk: _Chunk, reason: str) -> None:
@@ -503,10 +508,12 @@ class PykvWorker(OffloadingWorker):
         self._store_pause_until = now + self.pykv.store_retry_interval
 
     def _write_stats(self) -> None:
-        with self._lock:
-            in_flight = len(self._jobs) + len(self._finished)
-        stats = {**self.counters, **self.reactor.stats, **getattr(self.copier, "stats", {}),
-                 "jobs_in_flight": in_flight}
-        for key in ("delivered_blocks", "delivered_bytes"):  # the reactor's and the DRAM fast path's
-            stats[key] += self.counters[f"dram_{key}"]
-        self._stats_file.write(stats)
+        """(Engine or reactor thread.) Dump the counters when ``PYKV_STATS_FILE`` asks for it."""
+        with self._stats_lock:
+            with self._lock:
+                in_flight = len(self._jobs) + len(self._finished)
+            stats = {**self.counters, **self.reactor.stats, **getattr(self.copier, "stats", {}),
+                     "jobs_in_flight": in_flight}
+            for key in ("delivered_blocks", "delivered_bytes"):  # the reactor's and the DRAM fast path's
+                stats[key] += self.counters[f"dram_{key}"]
+            self._stats_file.write(stats)

@@ -262,6 +262,10 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
     assert check["all_right"] == all(p["right"] for p in check["points"])
     assert check["max_ratio"] == max(p["ratio"] for p in check["points"])
     assert set(data["method"]["engine_start_s"]) == {"recompute", "store", "disk", "gated"}
+    # each length's writes ended and were seen (an early-released store once hung here for 60 s)
+    settles = data["store_settle"]
+    assert [s["tokens"] for s in settles[1:]] == [256, 512, 1024, 2048]
+    assert all(s["complete"] and s["seconds"] < 20 for s in settles), settles
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert list(root.iterdir()) == []  # the scratch tree is removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json", "cal.png", "medium"]

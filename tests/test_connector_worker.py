@@ -379,3 +379,31 @@ def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(r
     ended.stores_ended = list(ks)
     manager.on_worker_report(ended)
     assert all(manager.dram.entry(k) is None for k in ks) and manager.dram.free_slots == 2
+
+
+def test_the_end_of_early_released_writes_reaches_the_stats_file_without_another_step(rig, tmp_path, monkeypatch):
+    """vLLM stops polling an idle engine once it has every job; the writes that outlive an early
+    release must still show in the counters (``pykv calibrate`` waits on them between lengths)."""
+    import json
+
+    monkeypatch.setenv("PYKV_STATS_FILE", str(tmp_path / "stats"))
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=12)
+    reactor = worker.reactor
+    held, start_write = [], reactor._start_write
+    reactor._start_write = lambda tid: held.append(tid)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
+    run(worker, 1)  # vLLM's last get_finished: the job is done for it, its writes are not
+    path = tmp_path / "stats.worker0.json"
+    assert json.loads(path.read_text())["jobs_in_flight"] == 1
+
+    reactor._start_write = start_write
+    reactor._post(lambda: reactor.backend.submit([start_write(tid) for tid in held]))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # no get_finished from here on
+        stats = json.loads(path.read_text())
+        if stats["jobs_in_flight"] == 0:
+            break
+        time.sleep(0.02)
+    assert stats["jobs_in_flight"] == 0 and stats["store_published"] == 3
