@@ -334,6 +334,8 @@ class PreloadRunner(hc.Runner):
                     ktc = self.pykv_ktc(root, dram_bytes=self.burst_dram_bytes(), verify="header")
                     extra = ktc["kv_connector_extra_config"]
                     extra["preload"] = variant == "preload-on"
+                    if self.a.query_no_store:  # run 7: the misses' stores filled the disk mid-burst
+                        extra["store"] = False
                     if not any(item.startswith("preload_max_bytes") for item in self.a.pykv_set or []):
                         # runs 4 and 5 kept the 256M default: 9 blocks of 28 MiB, 2.3k of a waiting
                         # request's 40k tokens, so at most 6 % of a hit could be read ahead
@@ -465,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="P stages: pykv's DRAM tier and the native CPU tier in the query engines (GiB; default: "
                         "the fill's CPU tier, which holds every document). Smaller than the documents: a "
                         "disk-bound burst")
+    p.add_argument("--query-no-store", action="store_true",
+                   help="P stages: pykv's query engines store nothing (store=false), so preload on and off "
+                        "read the same tree with the disk to themselves")
     p.add_argument("--conversations", type=int, default=6, help="stage R: conversations")
     p.add_argument("--turns", type=int, default=4, help="stage R: turns per conversation")
     p.add_argument("--turn-base", type=int, default=16384, help="stage R: tokens of each conversation's document")

@@ -135,6 +135,8 @@ class PykvConfig:
                                    "preloaded at a time.", "int")
     preload_max_bytes: int = _key(_size, "256M", "Staging memory per worker that preloaded blocks not yet "
                                   "claimed by their request may hold.", "size")
+    store: bool = _key(_bool, True, "Store new KV in the tree. false: this instance only loads what others "
+                       "stored (a read-only mount, a tree filled by `pykv warm`).", "bool")
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
     verify: str = _key(_choice("full", "header"), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")

@@ -167,8 +167,13 @@ class PykvManager(OffloadingManager):
 
     # -- stores --------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput:
-        """Skip keys already on disk, in DRAM or being stored; while stores are paused store nothing."""
+        """Skip keys already on disk, in DRAM or being stored; while stores are paused, or when this
+        instance only loads (``store`` false), store nothing."""
         keys = list(keys)
+        if not self.pykv.store:
+            self.counters[Metric.STORES_OFF] += len(keys)
+            self._write_stats()
+            return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         if self._clock() < self._stores_paused_until:
             self.counters[Metric.STORES_DISABLED] += len(keys)
             self._write_stats()

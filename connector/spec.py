@@ -70,6 +70,7 @@ class Metric:
     STORE_SKIPPED = "pykv:store_skipped"
     STORE_FAILURES = "pykv:store_failures"
     STORES_DISABLED = "pykv:stores_disabled"
+    STORES_OFF = "pykv:stores_off"
     GATE_REFUSALS = "pykv:gate_refusals"
     GATE_REFUSED_TOKENS = "pykv:gate_refused_tokens"
     PRELOAD_REQUESTS = "pykv:preload_requests"
@@ -83,6 +84,7 @@ METRIC_DOCS = {
     Metric.STORE_SKIPPED: "Storage blocks not stored because they were already on disk or being stored.",
     Metric.STORE_FAILURES: "Storage blocks whose store failed (disk full, read-only tree, ...).",
     Metric.STORES_DISABLED: "Storage blocks not stored because stores were paused after a store failure.",
+    Metric.STORES_OFF: "Storage blocks not stored because this instance only loads (`store` is false).",
     Metric.GATE_REFUSALS: "Lookups whose load the break-even gate refused (prefix below the tier's threshold).",
     Metric.GATE_REFUSED_TOKENS: "Tokens the break-even gate chose to recompute instead of loading.",
     Metric.PRELOAD_REQUESTS: "Waiting requests whose stored blocks were sent to the workers to read ahead.",

@@ -407,3 +407,26 @@ def test_the_end_of_early_released_writes_reaches_the_stats_file_without_another
             break
         time.sleep(0.02)
     assert stats["jobs_in_flight"] == 0 and stats["store_published"] == 3
+
+
+def test_a_reader_instance_loads_what_a_writer_stored_and_stores_nothing(rig):
+    """``store: false``: another instance's blocks load as usual; new KV is never written."""
+    writer, writer_worker, kv = rig()
+    ctx = ReqContext("r")
+    for layer in kv:
+        layer[:8].fill_(5)
+    stored = keys(2, salt=13)
+    writer_worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]),
+                               writer.prepare_store(stored, ctx).store_spec)
+    run(writer_worker, 1)
+    writer.complete_store(stored, ctx)
+
+    reader, reader_worker, reader_kv = rig(store="false")
+    fresh = keys(2, salt=14)
+    out = reader.prepare_store(stored + fresh, ctx)
+    assert out.keys_to_store == [] and reader.counters["pykv:stores_off"] == 4
+    assert not any(reader.tree.contains(reader.namespace.id, k) for k in fresh)
+    assert all(reader.lookup(k, ctx) is LookupResult.HIT for k in stored)
+    reader_worker.submit_load(2, reader.prepare_load(stored, ctx), GPULoadStoreSpec(list(range(20, 28)), [8], [0]))
+    assert not run(reader_worker, 2)[0]
+    assert all(bool((layer[20:28] == 5).all()) for layer in reader_kv)
