@@ -50,7 +50,8 @@ def warm_command(
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_pairs("--set", settings or [])
-    PykvConfig.from_extra_config({"root": str(root), **extra})  # every key checked before the engine starts
+    if not PykvConfig.from_extra_config({"root": str(root), **extra}).store:  # every key checked up front
+        raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")

@@ -63,7 +63,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager":
 """``LLM(...)`` arguments every calibration engine gets unless ``engine_args`` say otherwise."""
 RESERVED_SETTINGS = {"root": "calibration uses a scratch tree under --root",
                      "dram_bytes": "use --dram-bytes", "breakeven_file": "calibration runs without a gate",
-                     "breakeven_override": "calibration runs without a gate"}
+                     "breakeven_override": "calibration runs without a gate",
+                     "store": "calibration stores the prompts it measures"}
 ProgressCallback = Callable[[str, int, int], None]
 """``progress(description, done, total)`` after each engine start and each measured request."""
 

@@ -141,6 +141,7 @@ def test_kv_bytes_per_token_from_config(tmp_path):
     (["--dram-bytes", "lots"], "--dram-bytes: cannot parse size"),
     (["--tiers", "dram", "--check-gate"], "--check-gate: needs the disk tier"),
     (["--set", "breakeven_file=/x"], "--set breakeven_file: not allowed here"),
+    (["--set", "store=false"], "--set store: not allowed here"),
 ])
 def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needle):
     result = invoke("--model", str(tmp_path / "m"), "--root", str(tmp_path / "root"), "--no-plot", *args)

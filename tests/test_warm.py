@@ -108,6 +108,8 @@ def test_settings_and_engine_args_are_checked_before_the_engine_starts(tmp_path)
     tmp_path = tmp_path / "tree"  # does not exist yet: a fine --root
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", "io_depth=zero")
     assert result.exit_code == 2 and "kv_connector_extra_config.io_depth" in result.output
+    result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", "store=false")
+    assert result.exit_code == 2 and "--set store" in result.output
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", "nonsense=1")
     assert result.exit_code == 2 and "unknown key" in result.output
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--engine-arg", "model=x")
