@@ -462,7 +462,7 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
 
 def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,
               direct: bool, direct_note: str, bandwidth: float | None, dropped: dict[str, str | None],
-              dram_bytes: int | None, per_token: int | None, settles: Sequence[dict[str, Any]] = ()) -> Calibration:
+              dram_bytes: int | None, per_token: int | None, settles: Sequence[dict[str, Any]]) -> Calibration:
     """The calibration of the samples so far (``dropped``: phase -> page cache outcome before it)."""
     store = engines["store"]["engine"]
     namespace = store.get("namespace") or {}

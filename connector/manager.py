@@ -170,12 +170,10 @@ class PykvManager(OffloadingManager):
         """Skip keys already on disk, in DRAM or being stored; while stores are paused, or when this
         instance only loads (``store`` false), store nothing."""
         keys = list(keys)
-        if not self.pykv.store:
-            self.counters[Metric.STORES_OFF] += len(keys)
-            self._write_stats()
-            return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
-        if self._clock() < self._stores_paused_until:
-            self.counters[Metric.STORES_DISABLED] += len(keys)
+        refused = Metric.STORES_OFF if not self.pykv.store else \
+            Metric.STORES_DISABLED if self._clock() < self._stores_paused_until else None
+        if refused:
+            self.counters[refused] += len(keys)
             self._write_stats()
             return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         to_store, slots = [], []
@@ -305,5 +303,7 @@ class PykvManager(OffloadingManager):
         return stats
 
     def _write_stats(self) -> None:
+        if not self._stats_file.enabled:
+            return
         self._stats_file.write({**self.counters, "dram_entries": len(self.dram),
                                 "pending_stores": len(self._pending_stores)})

@@ -24,6 +24,11 @@ class StatsFile:
         self.path = f"{base}.{role}.json" if base else None
         self._last: dict | None = None
 
+    @property
+    def enabled(self) -> bool:
+        """Whether counters are written at all (callers skip gathering them otherwise)."""
+        return self.path is not None
+
     def write(self, counters: Mapping[str, object]) -> None:
         if self.path is None or counters == self._last:
             return

@@ -509,6 +509,8 @@ class PykvWorker(OffloadingWorker):
 
     def _write_stats(self) -> None:
         """(Engine or reactor thread.) Dump the counters when ``PYKV_STATS_FILE`` asks for it."""
+        if not self._stats_file.enabled:
+            return
         with self._stats_lock:
             with self._lock:
                 in_flight = len(self._jobs) + len(self._finished)

@@ -212,6 +212,7 @@ class Reactor:
                              f"{pieces} pieces; use backend_depth()")
         self.backend, self.pool, self.tree = backend, pool, tree
         self.sink, self.source, self.on_job_done = sink, source, on_job_done
+        self._staged = getattr(source, "staged", None)  # StoreSource's optional hook
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
                                     max_speculative=self.config.max_speculative)
         self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
@@ -562,9 +563,8 @@ class Reactor:
         else:
             self._seal(t)
         self.policy.filled(tid, ok)
-        staged = getattr(self.source, "staged", None)
-        if ok and staged is not None:
-            staged(t.job.result.job, t.index)
+        if ok and self._staged is not None:
+            self._staged(t.job.result.job, t.index)
 
     def _seal(self, t: _Transfer) -> None:
         """Put the header of a filled store block into its slot: the slot now holds the whole block."""

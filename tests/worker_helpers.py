@@ -18,8 +18,7 @@ def settle_stores(manager, worker, keys, timeout: float = 20.0) -> None:
         report = worker.take_report()
         if report:
             manager.on_worker_report(report)
-        pending -= set(report.stores_ended)
-        pending &= manager._writing
+        pending &= manager._writing  # a reported end left _writing in on_worker_report
         if not pending:
             return
         if time.monotonic() > deadline:
