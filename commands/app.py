@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from pykv.commands import bench, calibrate, config, demo, fsck, gc, inspect, warm
+from pykv.commands import bench, calibrate, config, demo, fsck, gc, init, inspect, warm
 from pykv.commands.output import run_guarded
 
 
@@ -37,6 +37,7 @@ app.command("demo")(demo.demo_command)
 app.command("inspect")(inspect.inspect_command)
 app.command("gc")(gc.gc_command)
 app.command("fsck")(fsck.fsck_command)
+app.command("init")(init.init_command)
 app.command("bench")(bench.bench_command)
 app.command("config")(config.config_command)
 app.command("calibrate")(calibrate.calibrate_command)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, RootArgument, emit, error_line, table
+from pykv.commands.output import JsonFlag, RootArgument, emit, error_line, line, plural
 from pykv.maintenance import fsck, repair
 from pykv.tree import KVTree
 from pykv.units import parse_duration
@@ -16,7 +16,8 @@ from pykv.units import parse_duration
 def fsck_command(
     root: RootArgument,
     repair_: Annotated[bool, typer.Option(
-        "--repair", help="Remove stale temps and foreign files; move damaged blocks to .pykv/quarantine/.")] = False,
+        "--repair", help="Delete pykv's stale temps; move damaged blocks and everything pykv did not create "
+                         "to .pykv/quarantine/.")] = False,
     grace: Annotated[str, typer.Option(
         "--grace", metavar="DURATION", help="Temp files younger than this belong to a writer at work.")] = "1h",
     as_json: JsonFlag = False,
@@ -30,20 +31,26 @@ def fsck_command(
     emit(report.as_dict(), as_json=as_json, render=_render)
     if report.failed:  # the report says which; one line says that repair itself failed
         finding, error = report.failed[0]
-        typer.echo(error_line(f"could not repair {len(report.failed)} of {len(report.findings)} problems "
+        typer.echo(error_line(f"could not repair {len(report.failed)} of {plural(len(report.findings), 'problem')} "
                               f"(first: {finding.path}: {error})"), err=True)
     if not report.clean:
         raise typer.Exit(1)
 
 
 def _render(out: Console, data: dict[str, Any]) -> None:
+    for f in data["findings"]:  # one line each, never wrapped: the path stays copyable
+        line(out, f"{f['problem']:<13} {f['path']}  ({f['detail']})")
     if data["findings"]:
-        out.print(table(None, ["path", "problem", "detail"],
-                        [[f["path"], f["problem"], f["detail"]] for f in data["findings"]]))
-        out.print("found: " + ", ".join(f"{count} {problem}" for problem, count in sorted(data["counts"].items())))
-    out.print(f"checked {data['blocks_checked']} blocks")
+        line(out, "found: " + ", ".join(f"{count} {problem}" for problem, count in sorted(data["counts"].items())))
+    line(out, f"checked {plural(data['blocks_checked'], 'block')}")
     if data["quarantine"] is not None:
-        out.print(f"repaired {data['repaired']} (damaged blocks moved to {data['quarantine']})")
+        deleted, moved = data["deleted"], data["moved"]
+        line(out, f"repaired {data['repaired']}: deleted {plural(len(deleted), 'stale temp')} of pykv's, "
+                  f"moved {plural(len(moved), 'entry', 'entries')} to {data['quarantine']}")
+        for path in moved:
+            line(out, f"moved    {path}")
+        for path in deleted:
+            line(out, f"deleted  {path}")
         for failure in data["failed"]:
-            out.print(f"could not repair {failure['path']}: {failure['error']}")
-    out.print("clean" if data["clean"] else "problems remain")
+            line(out, f"could not repair {failure['path']}: {failure['error']}")
+    line(out, "clean" if data["clean"] else "problems remain")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, NoCatalogFlag, RootArgument, emit, size, table, warn
+from pykv.commands.output import JsonFlag, NoCatalogFlag, RootArgument, emit, plural, size, table, warn
 from pykv.maintenance import run_gc
 from pykv.tree import KVTree
 from pykv.units import parse_duration, parse_size
@@ -31,7 +31,7 @@ def gc_command(
     emit(result.summary(), as_json=as_json, render=_render)
     if not result.target_reached:
         warn(f"could not reach --max-size {size(limit)}: {size(result.remaining_bytes)} remain, "
-             f"{result.young_files} blocks ({size(result.young_bytes)}) are younger than --min-age {min_age}")
+             f"{plural(result.young_files, 'block')} ({size(result.young_bytes)}) are younger than --min-age {min_age}")
 
 
 def _render(out: Console, data: dict[str, Any]) -> None:
@@ -39,9 +39,12 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     rows = [[ns[:12], size(freed)] for ns, freed in sorted(data["freed_by_namespace"].items())]
     if rows:
         out.print(table(None, ["namespace", verb], rows, right={verb}))
-    out.print(f"{verb} {data['freed_files']} files ({size(data['freed_bytes'])}); "
+    out.print(f"{verb} {plural(data['freed_files'], 'file')} ({size(data['freed_bytes'])}); "
               f"tree {size(data['total_bytes'])} -> {size(data['remaining_bytes'])}, "
               f"limit {size(data['max_size'])}; {data['seconds']:.2f}s")
     if data["vanished_files"]:
-        out.print(f"{data['vanished_files']} files ({size(data['vanished_bytes'])}) were deleted by someone else "
+        out.print(f"{plural(data['vanished_files'], 'file')} ({size(data['vanished_bytes'])}) deleted by someone else "
                   "meanwhile")
+    if data["junk_files"]:
+        out.print(f"{plural(data['junk_files'], 'file')} ({size(data['junk_bytes'])}) at block names are not blocks "
+                  "pykv wrote: left in place, see 'pykv fsck'")

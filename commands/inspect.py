@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, size, table
+from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, plural, size, table
 from pykv.errors import InputError
 from pykv.maintenance import inspect_tree
 from pykv.tree import KVTree
@@ -38,12 +38,12 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     out.print(table("age since publication", ["age", "files"],
                     [[label, count] for label, count in data["ages"].items()], right={"files"}))
     if data["temp_files"]:
-        out.print(f"temp files: {data['temp_files']} ({size(data['temp_bytes'])}), "
+        out.print(f"{plural(data['temp_files'], 'temp file')} ({size(data['temp_bytes'])}), "
                   f"oldest {data['oldest_temp_age_s']:.0f}s")
     gc = data["last_gc"]
     if gc:
         when = datetime.datetime.fromtimestamp(gc.get("finished_at", 0)).isoformat(timespec="seconds")
-        out.print(f"last gc: {when}, freed {gc.get('freed_files', 0)} files ({size(gc.get('freed_bytes', 0))}), "
+        out.print(f"last gc: {when}, freed {plural(gc.get('freed_files', 0), 'file')} ({size(gc.get('freed_bytes', 0))}), "
                   f"target {'reached' if gc.get('target_reached') else 'NOT reached'}")
     else:
         out.print("last gc: never")

@@ -1,5 +1,10 @@
 """How commands print: rich tables for people, one JSON document for scripts, one line per error.
 
+Everything that came from the tree (file names, ``namespace.json`` fields, error texts
+that quote them) is printed as text, never as rich markup, and with control characters
+and undecodable bytes shown as visible escapes (``visible``): a file named
+``[red]evil`` prints as ``[red]evil``, an escape sequence cannot reach the terminal.
+
 Every error a user can cause (a missing root, a directory that is not a tree, a
 size that does not parse, a click usage error) ends as ``pykv: error: <message>``
 on stderr with exit status 2; nothing else is printed and nothing was changed.
@@ -9,6 +14,7 @@ An ``OSError`` from the tree itself (permissions, I/O) is one such line with sta
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -16,10 +22,10 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pykv.errors import InputError, PykvError
-from pykv.maintenance.scan import ROOT_EXEMPT
-from pykv.tree import MARKER_NAME, KVTree
+from pykv.tree import MARKER_NAME, ROOT_EXEMPT, KVTree
 from pykv.units import format_size
 
 USAGE_EXIT = 2
@@ -33,25 +39,62 @@ except ImportError:  # pragma: no cover
 
 
 def console() -> Console:
-    """A console on the current stdout (tests swap it)."""
-    return Console(file=sys.stdout, soft_wrap=False)
+    """A console on the current stdout (tests swap it); markup and highlighting off, so no
+    text from the tree is ever read as markup."""
+    return Console(file=sys.stdout, soft_wrap=False, markup=False, highlight=False, emoji=False)
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (os.fsdecode's surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(text: object) -> str:
+    """``text`` with control characters and undecodable bytes as visible escapes (``\\x1b``)."""
+    return _UNPRINTABLE.sub(_escape, str(text))
+
+
+def _visible_data(data: Any) -> Any:
+    if isinstance(data, str):
+        return visible(data)
+    if isinstance(data, dict):
+        return {key: _visible_data(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_visible_data(value) for value in data]
+    return data
 
 
 def emit(data: dict[str, Any], *, as_json: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
-    """Print ``data`` as one JSON document, or through ``render`` as tables."""
+    """Print ``data`` as one JSON document (control characters escaped by JSON itself), or
+    through ``render`` as tables, with every string made ``visible`` first."""
     if as_json:
         typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
     else:
-        render(console(), data)
+        render(console(), _visible_data(data))
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 block``, ``2 blocks``, ``0 blocks`` (``nouns``: an irregular plural)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
+
+
+def line(out: Console, text: str) -> None:
+    """One line of text that the console never wraps (a long path stays copyable)."""
+    out.print(Text(text), soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """One line on stderr that does not change the exit status."""
-    typer.echo(f"{PROGRAM}: warning: {message}", err=True)
+    typer.echo(f"{PROGRAM}: warning: {visible(message)}", err=True)
 
 
 def error_line(message: str) -> str:
-    return f"{PROGRAM}: error: {' '.join(str(message).split())}"
+    return f"{PROGRAM}: error: {visible(' '.join(str(message).split()))}"
 
 
 def run_guarded(main: Callable[..., Any], standalone_mode: bool, **kwargs: Any) -> Any:
@@ -89,13 +132,14 @@ def size(value: int | None) -> str:
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]], *, right: set[str] = frozenset()) -> Table:
     """A plain rich table; ``right`` names right-aligned (numeric) columns."""
-    out = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
+    out = Table(title=None if title is None else Text(visible(title), style="bold"), title_justify="left",
+                show_edge=False, pad_edge=False)
     for name in columns:
         numeric = name in right
         out.add_column(name, justify="right" if numeric else "left", no_wrap=numeric,
                        min_width=len(name) if numeric else None, overflow="fold")
     for row in rows:
-        out.add_row(*(str(cell) for cell in row))
+        out.add_row(*(Text(visible(cell)) for cell in row))
     return out
 
 

@@ -10,21 +10,42 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pykv.errors import FormatError
+import xxhash
+
+from pykv.errors import ChecksumError, FormatError
+from pykv.io.safe_paths import OpenedFile, open_regular
 from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, padded, verify_payload
 from pykv.tree import KVTree
 
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The largest block file pykv reads (header-validated and equal to the file's size first): far
+#: above any real block (a 256-token block of a 405B model is ~126 MiB per rank), far below memory.
+MAX_BLOCK_FILE = 16 << 30
+
+
+def _open_block(path: Path) -> OpenedFile:
+    """A regular block file opened without blocking, link-following or atime change
+    (``pykv.io.safe_paths.open_regular``)."""
+    return open_regular(path)
+
+
+def _header_of(opened: OpenedFile, path: Path) -> BlockHeader:
+    """The header, checked against the file: its length must be the file's exact size."""
+    header = decode_header(opened.read(HEADER_SIZE, 0), path=path)
+    size = opened.size
+    if header.file_size > MAX_BLOCK_FILE:
+        raise FormatError(path, f"header claims {header.file_size} bytes, more than the {MAX_BLOCK_FILE} "
+                                "a block may hold")
+    if size != header.file_size:
+        kind = "truncated" if size < header.file_size else "oversized"
+        raise FormatError(path, f"{kind}: {size} bytes, header says {header.file_size}")
+    return header
 
 
 def read_header(path: Path) -> BlockHeader:
-    """Parse the header of ``path`` (symlinks refused); raise ``FormatError`` if bad."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        data = os.pread(fd, HEADER_SIZE, 0)
-    finally:
-        os.close(fd)
-    return decode_header(data, path=path)
+    """Parse the header of ``path`` (symlinks and non-regular files refused); raise ``FormatError``
+    if bad. The file's size is not compared (``check_block`` does)."""
+    with _open_block(path) as opened:
+        return decode_header(opened.read(HEADER_SIZE, 0), path=path)
 
 
 @dataclass(frozen=True)
@@ -37,30 +58,29 @@ class CheckedBlock:
 
 
 def check_block(path: Path, *, full: bool = True) -> CheckedBlock:
-    """Check header, exact file size and (if ``full``) the payload checksum."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        size = os.fstat(fd).st_size
-        header = decode_header(os.pread(fd, HEADER_SIZE, 0), path=path)
-        if size != header.file_size:
-            kind = "truncated" if size < header.file_size else "oversized"
-            raise FormatError(path, f"{kind}: {size} bytes, header says {header.file_size}")
+    """Check header, exact file size and (if ``full``) the payload checksum, streamed in bounded
+    pieces (nothing is allocated from the header's length)."""
+    with _open_block(path) as opened:
+        header = _header_of(opened, path)
         if full:
-            payload = os.pread(fd, header.payload_length, HEADER_SIZE)
-            verify_payload(header, payload, path=path)
-    finally:
-        os.close(fd)
-    return CheckedBlock(path, header, size)
+            hasher = xxhash.xxh3_128()
+            done = 0
+            for piece in opened.pieces(header.payload_length, HEADER_SIZE):
+                hasher.update(piece)
+                done += len(piece)
+            if done < header.payload_length:
+                raise FormatError(path, f"payload truncated: {done} of {header.payload_length} bytes")
+            if hasher.digest() != header.payload_checksum:
+                raise ChecksumError(path, "payload checksum mismatch")
+        return CheckedBlock(path, header, opened.size)
 
 
 def read_payload(path: Path, *, verify: bool = True) -> tuple[BlockHeader, bytes]:
-    """Header and payload bytes of ``path`` (checked against the header when ``verify``)."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        header = decode_header(os.pread(fd, HEADER_SIZE, 0), path=path)
-        payload = os.pread(fd, header.payload_length, HEADER_SIZE)
-    finally:
-        os.close(fd)
+    """Header and payload bytes of ``path`` (checked against the header when ``verify``). The
+    payload is allocated only once the header's length matched the file's size."""
+    with _open_block(path) as opened:
+        header = _header_of(opened, path)
+        payload = opened.read(header.payload_length, HEADER_SIZE)
     if verify:
         verify_payload(header, payload, path=path)
     elif len(payload) < header.payload_length:

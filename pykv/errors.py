@@ -26,3 +26,13 @@ class NotATreeError(PykvError):
 
 class InputError(PykvError):
     """A user-supplied value (size, depth, duration, config key) cannot be used."""
+
+
+class UnsafePathError(PykvError, OSError):
+    """A name or file pykv will not act on: not one path component, outside the root, not a
+    regular file, or larger than its kind allows. An ``OSError`` too, so callers that already
+    handle a failed open or rename handle it the same way."""
+
+
+class NotEmptyRootError(NotATreeError):
+    """A directory that holds files but no tree marker: pykv will not make it a tree."""

@@ -46,6 +46,7 @@ _BODY = struct.Struct("<8sHHI16sH6x64sQIIQ16sQ")
 _CHECKSUM = struct.Struct("<Q")
 _CHECKED_BYTES = _BODY.size  # 152
 assert _CHECKED_BYTES == 152
+_RESERVED = slice(34, 40)  # the 6 reserved bytes after the key length
 
 
 def padded(length: int) -> int:
@@ -146,7 +147,7 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
         raise FormatError(path, f"bad block key length {key_length}")
     if payload_length != segments * segment_bytes:
         raise FormatError(path, f"payload length {payload_length} != {segments} x {segment_bytes}")
-    if any(bytes(data[_CHECKED_BYTES + _CHECKSUM.size:HEADER_SIZE])):
+    if any(head[_RESERVED]) or any(bytes(data[_CHECKED_BYTES + _CHECKSUM.size:HEADER_SIZE])):
         raise FormatError(path, "reserved header bytes are not zero")
     return BlockHeader(namespace=namespace, key=key[:key_length],
                        geometry=Geometry(tokens, segments, segment_bytes),

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import errno
+import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter
@@ -41,7 +43,9 @@ log = logging.getLogger(__name__)
 
 _EXPECTED = tuple(os.strerror(e) for e in (errno.ENOENT, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
                                              errno.EPERM))
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: O_NONBLOCK: a FIFO planted at a block's name cannot block the open (the fstat after it
+#: then refuses anything but a regular file); regular-file reads ignore it in preadv.
+READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -143,6 +147,7 @@ class _Transfer:
     claims: int = 0  # preload: demand loads it served
     read_ok: bool = False  # the block was read and verified
     segments: list[int | None] | None = None  # split first read: each piece's result (None: in flight)
+    size: int = -1  # the opened file's size (its fstat right after the open)
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,7 @@ class Reactor:
         self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
         self._direct = os.O_DIRECT if self.config.direct else 0
+        self._clear_nonblock = backend.name == "io_uring"
         self._root_prefix = os.path.join(os.fspath(tree.root), "")
         self._real_root_prefix = os.path.join(os.path.realpath(tree.root), "")  # symlinks above the root are fine
         self._transfers: dict[int, _Transfer] = {}
@@ -449,12 +455,33 @@ class Reactor:
 
     # -- loads -----------------------------------------------------------------------------------
     def _on_opened(self, tid: int, t: _Transfer, result: int) -> None:
+        if result >= 0:
+            error = self._check_opened(result, t)
+            if error is not None:
+                os.close(result)
+                result = -error
         if result < 0:
             self._fail(t, f"open: {os.strerror(-result)}")
             self.policy.opened(tid, ok=False)
             return
         t.fd = result
         self.policy.opened(tid, ok=True)
+
+    def _check_opened(self, fd: int, t: _Transfer) -> int | None:
+        """The block's one fstat, right after its open: anything but a regular file (a planted
+        FIFO, device or directory) fails before any read (an errno). io_uring would hand the
+        O_NONBLOCK of the open to its reads (EAGAIN where a filesystem cannot read without
+        blocking), so that backend clears it here; preadv ignores it on regular files."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return errno.EINVAL if not stat.S_ISDIR(st.st_mode) else errno.EISDIR
+            if self._clear_nonblock:
+                fcntl.fcntl(fd, fcntl.F_SETFL, self._direct)
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        t.size = st.st_size
+        return None
 
     def _on_segment(self, tid: int, t: _Transfer, index: int, result: int) -> None:
         """One piece of a split first read; when all are back, continue as after one read of their
@@ -512,8 +539,8 @@ class Reactor:
         return slot_header(self.pool, t.slot, t.block)
 
     def _check_size(self, t: _Transfer) -> None:
-        """The file must be exactly as long as its header says (an fstat: no I/O)."""
-        size = os.fstat(t.fd).st_size
+        """The file must be exactly as long as its header says (its fstat at open: no I/O)."""
+        size = t.size
         if size != t.expected:
             kind = "truncated" if size < t.expected else "oversized"
             raise FormatError(t.block.path, f"{kind}: {size} bytes, header says {t.expected}")

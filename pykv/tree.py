@@ -19,6 +19,7 @@ now (keeping mtime, the publication time), which works whatever ``relatime`` or
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -31,17 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from pykv.errors import NotATreeError
+from pykv.errors import NotATreeError, NotEmptyRootError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import enter_directory
+from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath
 from pykv.namespace import Namespace
 
 MARKER_NAME = "pykv-tree.json"
 STATE_DIR = ".pykv"
 QUARANTINE_DIR = "quarantine"
 NAMESPACE_FILE = "namespace.json"
+GC_STATE_NAME = "gc.json"
+PROBE_NAME = "pykv-direct-probe"  # the O_DIRECT probe's file at the root (``pykv.io.probe``)
 BLOCK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp."
+#: Entries at the root that belong to the filesystem, not to anyone's cache.
+ROOT_EXEMPT = frozenset({"lost+found"})
+#: The config key an engine's root comes from (named when a root is refused).
+ROOT_KEY = "kv_connector_extra_config.root"
 _HEX = re.compile(r"^[0-9a-f]+\Z")
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
@@ -54,6 +62,17 @@ def is_hex(name: str) -> bool:
 def is_temp_name(name: str) -> bool:
     """True for a temp file left by ``temp_path`` (``<key>.kv.tmp.<host>.<pid>.<rand>``)."""
     return TEMP_INFIX in name and name.split(TEMP_INFIX, 1)[0].endswith(BLOCK_SUFFIX)
+
+
+def temp_name(base: str) -> str:
+    """A unique temp name for a file published as ``base`` (host, pid, random): the one spelling
+    of every temp pykv makes, so ``fsck`` recognises what a killed writer left."""
+    return f"{base}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def is_temp_of(name: str, bases: tuple[str, ...]) -> bool:
+    """True for ``temp_name(base)`` of one of ``bases``."""
+    return TEMP_INFIX in name and name.split(TEMP_INFIX, 1)[0] in bases
 
 
 @dataclass(frozen=True)
@@ -82,28 +101,36 @@ class KVTree:
             raise NotATreeError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
         marker = root / MARKER_NAME
         try:
-            data = json.loads(marker.read_text())
+            data = json.loads(read_small(marker))
         except FileNotFoundError:
             raise NotATreeError(f"{root}: not a pykv tree (no {MARKER_NAME})") from None
         except (OSError, ValueError) as exc:
             raise NotATreeError(f"{marker}: unreadable tree marker ({exc})") from None
-        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-            version = data.get("format_version") if isinstance(data, dict) else None
+        version = data.get("format_version") if isinstance(data, dict) else None
+        if type(version) is not int or version != FORMAT_VERSION:  # not True, 1.0 or "1"
             raise NotATreeError(f"{marker}: field format_version is {version!r}, this pykv needs {FORMAT_VERSION}")
         return cls(root, options)
 
     @classmethod
-    def create(cls, root: Path | str, options: TreeOptions | None = None) -> "KVTree":
-        """Open ``root`` as a tree, creating the directory and marker if absent."""
+    def create(cls, root: Path | str, options: TreeOptions | None = None, *, adopt: bool = False,
+               field: str = ROOT_KEY) -> "KVTree":
+        """Open ``root`` as a tree, creating the directory and marker if absent.
+
+        A directory that holds anything but what pykv makes is refused
+        (``NotEmptyRootError``, naming ``field``) unless ``adopt`` (``pykv init``): an
+        engine pointed at the user's files never claims them as a tree.
+        """
         tree = cls(root, options)
         tree.root.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
         marker = tree.root / MARKER_NAME
-        if not marker.exists():
+        if not os.path.lexists(marker):
+            if not adopt:
+                _refuse_if_occupied(tree.root, field)
             from pykv import __version__
             content = json.dumps({"format_version": FORMAT_VERSION, "created_by": f"pykv {__version__}",
                                   "created_on": _HOST, "created_at": time.time()}, indent=2).encode()
-            temp = tree.root / f"{MARKER_NAME}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
-            _write_small(temp, content, tree.options.file_mode)
+            temp = tree.root / temp_name(MARKER_NAME)
+            write_small(temp, content, tree.options.file_mode)
             tree.publish(temp, marker)
         return cls.open(root, options)
 
@@ -138,18 +165,25 @@ class KVTree:
 
     def temp_path(self, final: Path) -> Path:
         """A unique temp name beside ``final`` (host, pid, random)."""
-        return final.with_name(f"{final.name}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}")
+        return final.with_name(temp_name(final.name))
 
     def ensure_namespace(self, namespace: Namespace) -> Path:
-        """Create the namespace directory and its ``namespace.json`` if missing."""
+        """Create the namespace directory and its ``namespace.json`` if missing (relative to the
+        root's fd, no link followed; the temp is removed also when the write fails)."""
         directory = self.namespace_dir(namespace.id)
-        directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
-        description = directory / NAMESPACE_FILE
-        if not description.exists():
-            temp = directory / f"{NAMESPACE_FILE}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        with directory_fd(self.root, namespace.id, create_mode=self.options.dir_mode) as fd:
+            if _exists_at(fd, NAMESPACE_FILE):
+                return directory
+            temp = temp_name(NAMESPACE_FILE)
             data = {"id": namespace.id, **namespace.describe()}
-            _write_small(temp, json.dumps(data, indent=2).encode(), self.options.file_mode)
-            self.publish(temp, description)
+            write_small(temp, json.dumps(data, indent=2).encode(), self.options.file_mode, dir_fd=fd)
+            try:
+                os.link(temp, NAMESPACE_FILE, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp, dir_fd=fd)
         return directory
 
     def ensure_parent(self, path: Path) -> None:
@@ -216,18 +250,18 @@ class KVTree:
         except FileNotFoundError:
             return False
 
-    def quarantine(self, path: Path, run: str) -> Path:
+    def quarantine(self, path: Path | str, run: str) -> Path:
         """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.
 
-        A rename: symlinks move as links, never followed. Raises ``OSError``
-        (``FileNotFoundError`` when someone removed it first).
+        A rename relative to the root's fd (``pykv.io.safe_paths``): no symlink on either
+        side is followed (a planted ``.pykv`` or ``quarantine`` link fails with ``ELOOP``),
+        missing directories get ``dir_mode``. Raises ``OSError`` (``FileNotFoundError``
+        when someone removed it first).
         """
-        destination = self.ensure_state_dir() / QUARANTINE_DIR / run / Path(path).relative_to(self.root)
-        missing = [d for d in destination.parents if not d.is_dir()]  # up to the root, which exists
-        for directory in reversed(missing):  # each with dir_mode (mkdir(parents=True) would use 0777)
-            directory.mkdir(mode=self.options.dir_mode, exist_ok=True)
-        os.rename(path, destination)
-        return destination
+        relative = relative_to(self.root, path)
+        destination = f"{STATE_DIR}/{QUARANTINE_DIR}/{check_name(run)}/{relative}"
+        rename_beneath(self.root, relative, destination, dir_mode=self.options.dir_mode)
+        return self.root / destination
 
     def namespaces(self) -> Iterator[Path]:
         """Namespace directories (hex names only)."""
@@ -235,6 +269,17 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
+
+
+def _refuse_if_occupied(root: Path, field: str) -> None:
+    """``NotEmptyRootError`` if ``root`` holds anything pykv did not put there."""
+    with os.scandir(root) as entries:
+        occupied = sorted(e.name for e in entries if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
+                          and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
+    if occupied:
+        raise NotEmptyRootError(
+            f"{field}: {root} holds files ({len(occupied)} entries, e.g. {occupied[0]!r}) and is not a pykv tree "
+            f"(no {MARKER_NAME}); use an empty or new directory, or make this one a tree with 'pykv init {root}'")
 
 
 def _exists_at(directory: int, name: str) -> bool:
@@ -250,15 +295,22 @@ def _require_hex(value: str, what: str) -> None:
         raise ValueError(f"{what} must be lowercase hex, got {value!r}")
 
 
-def _write_small(path: Path, content: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+def write_small(path: Path | str, content: bytes, mode: int, *, dir_fd: int | None = None) -> None:
+    """Create ``path`` (never an existing file or link) holding ``content``, synced; on any
+    failure (a full disk) the partial file is removed again, so no temp is left behind."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
     try:
         remaining = memoryview(content)
         while remaining:
             remaining = remaining[os.write(fd, remaining):]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -10,32 +10,57 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 <
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+MAX_SIZE = (1 << 63) - 1  # what a file offset (off_t) can express
+MAX_DURATION_S = 100 * 365 * 86400.0  # a century: longer than any tree lives
+_MAX_DIGITS = 40  # longer numbers are refused before any arithmetic on them
 
 
 def parse_size(text: str | int, *, field: str = "size") -> int:
     """Bytes from ``"500G"``, ``"28M"``, ``"4096"`` or ``"1.5GiB"`` (binary units)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise InputError(f"{field}: must not be negative, got {text}")
+            raise InputError(f"{field}: must not be negative, got {_short(text)}")
+        if text > MAX_SIZE:
+            raise InputError(f"{field}: must be at most {MAX_SIZE}, got {_short(text)}")
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise InputError(f"{field}: cannot parse size {text!r} (examples: 4096, 28M, 500G)")
+        raise InputError(f"{field}: cannot parse size {_short(text)!r} (examples: 4096, 28M, 500G)")
     number, unit = match.groups()
-    return int(float(number) * _SIZE_UNITS[unit.upper()])
+    value = _bounded(number, _SIZE_UNITS[unit.upper()], MAX_SIZE, field, "size")
+    return int(value)
 
 
 def parse_duration(text: str | float, *, field: str = "duration") -> float:
     """Seconds from ``"10m"``, ``"30s"``, ``"2h"``, ``"1d"`` or a plain number of seconds."""
-    if isinstance(text, (int, float)):
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0:
-            raise InputError(f"{field}: must not be negative, got {text}")
+            raise InputError(f"{field}: must not be negative, got {_short(text)}")
+        if not text <= MAX_DURATION_S:  # NaN fails too
+            raise InputError(f"{field}: must be at most {MAX_DURATION_S:.0f} seconds, got {_short(text)}")
         return float(text)
     match = _DURATION_RE.match(str(text))
     if not match:
-        raise InputError(f"{field}: cannot parse duration {text!r} (examples: 30s, 10m, 2h, 1d)")
+        raise InputError(f"{field}: cannot parse duration {_short(text)!r} (examples: 30s, 10m, 2h, 1d)")
     number, unit = match.groups()
-    return float(number) * _DURATION_UNITS[unit]
+    return _bounded(number, _DURATION_UNITS[unit], MAX_DURATION_S, field, "duration")
+
+
+def _bounded(number: str, unit: float, maximum: float, field: str, what: str) -> float:
+    """``number`` x ``unit`` if it is at most ``maximum``; one ``InputError`` line otherwise
+    (hundreds of digits included: no float overflow, no traceback)."""
+    whole = number.split(".")[0].lstrip("0")
+    value = float(number) * unit if len(whole) <= _MAX_DIGITS else float("inf")
+    if not value <= maximum:
+        raise InputError(f"{field}: {what} {_short(number)} is too large (at most {int(maximum)}"
+                         f"{' bytes' if what == 'size' else ' seconds'})")
+    return value
+
+
+def _short(value: object) -> str:
+    """``value`` as text, cut to 40 characters (a number of 400 digits fits in one line)."""
+    text = str(value) if not isinstance(value, int) or value.bit_length() < 4000 else "a huge number"
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def parse_int_list(text: str, *, field: str = "list", minimum: int = 1) -> list[int]:
@@ -43,8 +68,9 @@ def parse_int_list(text: str, *, field: str = "list", minimum: int = 1) -> list[
     values: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdecimal() or int(part) < minimum:
-            raise InputError(f"{field}: {part!r} in {text!r} is not an integer >= {minimum}")
+        if not part.isdecimal() or len(part) > _MAX_DIGITS or int(part) < minimum:
+            raise InputError(f"{field}: {_short(part)!r} in {_short(text)!r} is not an integer >= {minimum} "
+                             f"of at most {_MAX_DIGITS} digits")
         values.append(int(part))
     if not values:
         raise InputError(f"{field}: empty list")

@@ -53,7 +53,7 @@ def test_gc_frees_oldest_and_reports(tree):
     data = json.loads(result.stdout)
     assert data["freed_files"] == 1 and data["target_reached"] and not oldest.exists()
     table = run("inspect", tree.root)
-    assert "last gc:" in table.stdout and "freed 1 files" in table.stdout
+    assert "last gc:" in table.stdout and "freed 1 file (" in table.stdout
 
 
 def test_gc_dry_run_deletes_nothing(tree):

@@ -94,8 +94,11 @@ def test_repair_fixes_everything_and_keeps_symlink_targets(tmp_path):
     assert sound.exists() and young_temp.exists()
     quarantined = {os.path.relpath(os.path.join(d, n), report.quarantine)
                    for d, dirs, files in os.walk(report.quarantine) for n in files}
-    damaged = {p for p, problem in expected.items() if problem.repair_action == "quarantine"}
-    assert damaged | {os.path.join(p, "inside") for p, pr in expected.items() if p.endswith("junk")} == quarantined
+    moved = {p for p, problem in expected.items() if problem.repair_action == "quarantine"}
+    directories = {p for p in moved if p.endswith("junk")}  # moved whole, with what is inside
+    assert (moved - directories) | {os.path.join(p, "inside") for p in directories} == quarantined
+    assert sorted(f.path for f in report.moved) == sorted(moved)  # what it says it moved
+    assert [f.path for f in report.deleted] == [p for p, pr in expected.items() if pr is Problem.STALE_TEMP]
     again = fsck(tree)
     assert again.clean and again.findings == [] and again.blocks_checked == 2
     assert str(sound) in [e.path for e in Scan.of(tree).of_kind(Kind.BLOCK)]

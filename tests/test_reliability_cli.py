@@ -84,6 +84,17 @@ CASES = {  # id -> argv (placeholders filled from the ``places`` fixture)
     "warm/prompts-not-utf8": ["warm", "{binary}", *WARM],
     "warm/bad-set-size": ["warm", "{prompts}", *WARM, "--set", "dram_bytes=12Q"],
     "warm/bad-batch": ["warm", "{prompts}", *WARM, "--batch", "0"],
+    # numbers of hundreds of digits: one line, no OverflowError, and gc creates no catalog first
+    "gc/size-huge": ["gc", "{tree}", "--max-size", "9" * 400, "--min-age", "0"],
+    "gc/size-huge-unit": ["gc", "{tree}", "--max-size", "1" * 300 + "G", "--min-age", "0"],
+    "gc/min-age-huge": ["gc", "{tree}", "--max-size", "0", "--min-age", "9" * 400],
+    "gc/min-age-huge-unit": ["gc", "{tree}", "--max-size", "0", "--min-age", "9" * 400 + "d"],
+    "fsck/grace-huge": ["fsck", "{tree}", "--repair", "--grace", "9" * 400 + "h"],
+    "bench/size-huge": ["bench", "--path", "{scratch}", "--size", "9" * 400, "--no-fio"],
+    "config/dram-huge": ["config", "--root", "{tree}", "--dram", "9" * 400 + "G"],
+    "config/staging-huge": ["config", "--root", "{tree}", "--staging", "9" * 400],
+    "init/root-is-a-file": ["init", "{file}"],
+    "init/malformed-marker": ["init", "{badmarker}"],
 }
 
 

@@ -356,7 +356,7 @@ def test_gc_never_lets_sqlite_follow_a_planted_link(tmp_path, planted):
         tree.state_dir.mkdir()
         (tree.state_dir / planted).symlink_to(victim)
     result = CliRunner().invoke(app, ["gc", str(tree.root), "--max-size", "0", "--min-age", "0"])
-    assert "freed 1 files" in result.stdout, result.output
+    assert "freed 1 file (" in result.stdout, result.output
     assert victim.read_bytes() == content and sorted(p.name for p in victim.parent.iterdir()) == ["important.db"]
 
 

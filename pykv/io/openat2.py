@@ -18,6 +18,7 @@ import stat
 import struct
 
 RESOLVE_NO_SYMLINKS = 0x04  # <linux/openat2.h>
+RESOLVE_BENEATH = 0x08  # no ".." above, no absolute path: the result stays below ``dir_fd``
 OPEN_HOW = struct.Struct("<QQQ")  # struct open_how: flags, mode, resolve
 _SYS_OPENAT2 = 437  # the same on x86-64 and aarch64
 _AT_FDCWD = -100
@@ -33,16 +34,18 @@ def open_how(flags: int, mode: int, resolve: int) -> bytes:
     return OPEN_HOW.pack(flags, mode if flags & os.O_CREAT else 0, resolve)
 
 
-def openat2(path: bytes | str, flags: int, mode: int = 0, resolve: int = RESOLVE_NO_SYMLINKS) -> int:
-    """Open ``path`` like ``os.open`` under openat2's ``resolve`` rules; raise ``OSError``."""
+def openat2(path: bytes | str, flags: int, mode: int = 0, resolve: int = RESOLVE_NO_SYMLINKS,
+            *, dir_fd: int | None = None) -> int:
+    """Open ``path`` (relative to ``dir_fd`` when given) like ``os.open`` under openat2's
+    ``resolve`` rules; raise ``OSError``."""
     global _have_openat2
     path = os.fsencode(path)
-    if resolve & ~RESOLVE_NO_SYMLINKS:
+    if resolve & ~(RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH):
         raise ValueError(f"unsupported resolve flags {resolve:#x}")
     if _have_openat2:
         how = ctypes.create_string_buffer(open_how(flags | os.O_CLOEXEC, mode, resolve), OPEN_HOW.size)
-        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(_AT_FDCWD), ctypes.c_char_p(path),
-                      how, ctypes.c_size_t(OPEN_HOW.size))
+        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(_AT_FDCWD if dir_fd is None else dir_fd),
+                      ctypes.c_char_p(path), how, ctypes.c_size_t(OPEN_HOW.size))
         if fd >= 0:
             return fd
         err = ctypes.get_errno()
@@ -50,16 +53,20 @@ def openat2(path: bytes | str, flags: int, mode: int = 0, resolve: int = RESOLVE
             raise OSError(err, os.strerror(err), os.fsdecode(path))
         _have_openat2 = False
     if not resolve:
-        return os.open(path, flags, mode)
-    return _open_walking(path, flags, mode)
+        return os.open(path, flags, mode, dir_fd=dir_fd)
+    return _open_walking(path, flags, mode, resolve, dir_fd)
 
 
-def _open_walking(path: bytes, flags: int, mode: int) -> int:
-    """RESOLVE_NO_SYMLINKS by hand: every directory entered with O_NOFOLLOW, then the last name."""
-    parts = [part for part in path.split(b"/") if part]
+def _open_walking(path: bytes, flags: int, mode: int, resolve: int, dir_fd: int | None) -> int:
+    """RESOLVE_NO_SYMLINKS (and BENEATH) by hand: every directory entered with O_NOFOLLOW, then
+    the last name; under BENEATH an absolute path or a ".." component is refused (EXDEV)."""
+    parts = [part for part in path.split(b"/") if part and part != b"."]
     if not parts:
         raise OSError(errno.EINVAL, "empty path", os.fsdecode(path))
-    directory = os.open(b"/" if path.startswith(b"/") else b".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    if resolve & RESOLVE_BENEATH and (path.startswith(b"/") or b".." in parts):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fsdecode(path))
+    start = b"/" if path.startswith(b"/") else b"."
+    directory = os.open(start, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     for part in parts[:-1]:
         directory = enter_directory(directory, part)
     try:

@@ -92,9 +92,10 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> tuple[bool, str]:
     memory_fs = _MEMORY_FILESYSTEMS.get(_filesystem_magic(directory))
     if memory_fs:
         return False, f"{directory}: {memory_fs} is memory-backed, O_DIRECT would bypass no cache"
-    path = os.path.join(os.fspath(directory), f".pykv-direct-probe-{uuid.uuid4().hex}")
+    from pykv.tree import PROBE_NAME, temp_name  # named as a pykv temp: fsck cleans what a killed engine left
+    path = os.path.join(os.fspath(directory), temp_name(PROBE_NAME))
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         try:
             os.unlink(path)  # some filesystems create the file, then refuse O_DIRECT

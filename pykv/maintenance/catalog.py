@@ -31,8 +31,9 @@ from pathlib import Path
 
 import sqlite_utils
 
-from pykv.maintenance.scan import Entry, Kind, LeafDir, Scan, collector_paused, list_leaf, walk_structure
-from pykv.tree import KVTree
+from pykv.io.safe_paths import check_name
+from pykv.maintenance.scan import Entry, Kind, LeafDir, Scan, collector_paused, is_block_name, list_leaf, walk_structure
+from pykv.tree import KVTree, is_temp_name
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,16 @@ class Catalog:
                 fresh.append((item, listed_at, entries))
         result.dirs_listed = len(fresh)
         result.dirs_cached = len(reuse)
-        append, kinds = result.entries.append, _KINDS
+        append = result.entries.append
         for rel, name, kind, size, atime_ns, mtime_ns in self.db.execute(
                 "SELECT dir, name, kind, size, atime_ns, mtime_ns FROM entries"):
             leaf = reuse.get(rel)
             if leaf is not None:
-                append(Entry(f"{leaf.path}/{name}", kinds[kind], leaf.namespace, size, atime_ns, mtime_ns))
+                row_kind = _checked_kind(name, kind)
+                if row_kind is None or type(size) is not int or type(atime_ns) is not int \
+                        or type(mtime_ns) is not int:
+                    continue  # a row pykv never wrote: the tree is the truth, the next listing sees it
+                append(Entry(f"{leaf.path}/{name}", row_kind, leaf.namespace, size, atime_ns, mtime_ns))
         try:
             self._store(prefix, set(cached_mtime) - set(reuse), fresh)
         except sqlite3.Error as exc:  # the scan stands; the next one lists more
@@ -139,6 +144,23 @@ class Catalog:
                              dir_rows)
             conn.executemany("INSERT OR REPLACE INTO entries (dir, name, kind, size, atime_ns, mtime_ns) "
                              "VALUES (?, ?, ?, ?, ?, ?)", entry_rows)
+
+
+def _checked_kind(name: object, kind: object) -> Kind | None:
+    """The kind of a cached row, re-derived from its name: None for a name that is not one path
+    component (``../x``, ``a/b``); a row may not call a name a block that is not one."""
+    if not isinstance(name, str) or kind not in _KINDS:
+        return None
+    try:
+        check_name(name)
+    except OSError:
+        return None
+    claimed = _KINDS[kind]
+    if claimed is Kind.BLOCK and not is_block_name(name):
+        return Kind.FOREIGN
+    if claimed is Kind.TEMP and not is_temp_name(name):
+        return Kind.FOREIGN
+    return claimed
 
 
 def _refuse_links(path: Path) -> None:

@@ -5,31 +5,38 @@ Problems, by class (``Problem``), and what ``repair`` does with each:
 ==================  ================================================================  ==========
 class               meaning                                                           repair
 ==================  ================================================================  ==========
-``stale-temp``      a temp file older than the grace period (a writer died)           remove
-``foreign``         anything the layout does not allow, symlinks included             remove *
-``truncated``       shorter than its header says (or too short to hold a header)      quarantine
-``oversized``       longer than its header says                                       quarantine
-``bad-header``      bad magic, header checksum, version or fields                     quarantine
-``bad-checksum``    payload does not match the header's checksum                      quarantine
-``misplaced``       a sound block under the wrong name or namespace for its header    quarantine
-``unreadable``      the block cannot be opened or read (permissions, I/O error)       quarantine
+``stale-temp``      a temp pykv left (a writer died), older than the grace period     delete \\*
+``foreign``         anything the layout does not allow: files, links, FIFOs, dirs     move
+``truncated``       shorter than its header says (or too short to hold a header)      move
+``oversized``       longer than its header says                                       move
+``bad-header``      bad magic, header checksum, version, fields or reserved bytes     move
+``bad-checksum``    payload does not match the header's checksum                      move
+``misplaced``       a sound block under the wrong name or namespace for its header    move
+``unreadable``      the block cannot be opened or read (permissions, I/O error)       move
 ==================  ================================================================  ==========
 
-\\* a symlink is unlinked (never its target); a foreign directory is moved into
-quarantine whole rather than deleted, since it may hold someone's data.
+pykv never deletes a file it did not create. "move" is a rename into quarantine,
+``<root>/.pykv/quarantine/<run>/<path relative to root>``, relative to the root's fd
+(``KVTree.quarantine``): it moves the entry itself and never follows a symlink, so
+nothing is lost and the user can take back what was theirs. \\* only a regular file
+named as pykv's temps are named (``pykv.tree.temp_name``, in every place pykv
+writes one: leaf dirs, namespace dirs, the root, ``.pykv``) with no other hard link
+is deleted; a temp's name on anything else (a directory, a FIFO, a file linked from
+elsewhere) is moved like foreign content.
 
-Quarantine is ``<root>/.pykv/quarantine/<run>/<path relative to root>``: a rename,
-which moves the entry itself and never follows a symlink. Young temps (within
-the grace period) may belong to a writer at work and are not problems. A file
-that vanishes while being checked or repaired was deleted by gc or another host
-and is simply gone. Empty shard dirs are left alone: removing one could race a
-writer that just created it (``KVTree.ensure_parent``) and make its write fail.
+Young temps (within the grace period) may belong to a writer at work and are not
+problems. A file that vanishes while being checked or repaired was deleted by gc
+or another host and is simply gone. Empty shard dirs are left alone: removing one
+could race a writer that just created it (``KVTree.ensure_parent``) and make its
+write fail. Block reads use ``O_NOATIME`` (``pykv.io.safe_paths``): fsck does not
+change what gc considers recently used.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +47,7 @@ from pykv.blockfile import check_block, read_header
 from pykv.errors import FormatError
 from pykv.format import HEADER_SIZE
 from pykv.maintenance.scan import Entry, Kind, relative, walk
+from pykv.io.safe_paths import unlink_beneath
 from pykv.tree import QUARANTINE_DIR, KVTree
 
 DEFAULT_GRACE_S = 3600.0
@@ -57,7 +65,8 @@ class Problem(str, enum.Enum):
 
     @property
     def repair_action(self) -> str:
-        return "remove" if self in (Problem.STALE_TEMP, Problem.FOREIGN) else "quarantine"
+        """What repair does with it: "delete" (pykv's own temps only) or "quarantine" (a move)."""
+        return "delete" if self is Problem.STALE_TEMP else "quarantine"
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class FsckReport:
     bytes_checked: int = 0
     findings: list[Finding] = field(default_factory=list)
     repaired: list[Finding] = field(default_factory=list)
+    deleted: list[Finding] = field(default_factory=list)  # of ``repaired``: unlinked (pykv's temps)
+    moved: list[Finding] = field(default_factory=list)  # of ``repaired``: renamed into quarantine
     failed: list[tuple[Finding, str]] = field(default_factory=list)
     quarantine: str | None = None
 
@@ -105,7 +116,8 @@ class FsckReport:
     def as_dict(self) -> dict[str, Any]:
         return {"root": self.root, "blocks_checked": self.blocks_checked, "bytes_checked": self.bytes_checked,
                 "counts": self.counts, "findings": [f.as_dict() for f in self.findings],
-                "repaired": len(self.repaired), "quarantine": self.quarantine,
+                "repaired": len(self.repaired), "deleted": [f.path for f in self.deleted],
+                "moved": [f.path for f in self.moved], "quarantine": self.quarantine,
                 "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
                 "clean": self.clean}
 
@@ -178,29 +190,38 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S) -> FsckReport:
 
 
 def repair(tree: KVTree, report: FsckReport) -> FsckReport:
-    """Fix what ``report`` found: remove temps and foreign entries, quarantine damaged blocks.
+    """Fix what ``report`` found: delete pykv's stale temps, move everything else to quarantine.
 
     Damaged blocks are checked again first, so a block replaced by a sound one
-    since the check is left alone. Updates and returns ``report``.
+    since the check is left alone. Updates and returns ``report`` (``deleted`` and
+    ``moved`` say which entry went where).
     """
     run = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-    quarantine = tree.state_dir / QUARANTINE_DIR / run
-    report.quarantine = str(quarantine)
+    report.quarantine = str(tree.state_dir / QUARANTINE_DIR / run)
     for finding in report.findings:
         path = str(tree.root / finding.path)
         try:
-            if finding.problem.repair_action == "remove" and not finding.is_dir:
-                os.unlink(path)  # a symlink itself, never its target
+            if finding.problem is Problem.STALE_TEMP and _own_temp(tree, finding.path):
+                unlink_beneath(tree.root, finding.path)
+                report.deleted.append(finding)
             else:
-                if finding.problem.repair_action == "quarantine" and check_block_file(tree, path) is None:
+                if finding.problem not in (Problem.STALE_TEMP, Problem.FOREIGN) \
+                        and check_block_file(tree, path) is None:
                     report.repaired.append(finding)
                     continue
-                tree.quarantine(tree.root / finding.path, run)
+                tree.quarantine(path, run)
+                report.moved.append(finding)
         except FileNotFoundError:
             pass  # gone already: nothing left to fix
         except OSError as exc:
-            report.failed.append((finding, str(exc)))
+            report.failed.append((finding, exc.strerror or str(exc)))
             continue
         report.repaired.append(finding)
     return report
 
+
+def _own_temp(tree: KVTree, relative: str) -> bool:
+    """A regular file with no other hard link: a temp pykv made (its name says so) and nobody
+    else holds. Anything else under a temp's name is moved, not deleted."""
+    st = os.lstat(tree.root / relative)
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1

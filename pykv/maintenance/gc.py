@@ -12,13 +12,22 @@ out against the live tree, which vLLM instances may be reading and writing:
 * a file that is already gone was freed by someone else: it counts against the
   bytes still to free, never as an error. Readers see a deleted block as a miss.
 
-The tree's size is the sum of ``st_size`` over block files; temp and foreign
-files are fsck's business. A block younger than ``min_age`` (by mtime, its
-publication time) is never deleted, even when that leaves the tree too big.
+The tree's size is the sum of allocated bytes over block files
+(``scan.allocated_size``: a sparse file claiming a terabyte counts for what it holds);
+temp and foreign files are fsck's business. A block younger than ``min_age`` (by
+mtime, its publication time; times from the future are clamped, ``scan.clamp_times``)
+is never deleted, even when that leaves the tree too big.
+
+gc deletes only what pykv created: before a candidate is unlinked (relative to the
+root's fd, ``pykv.io.safe_paths``) its header is read (``O_NOATIME``) and must be a
+valid block header whose length is the file's size, and the file must have no other
+link. Anything else at a block's name is *junk*: left in place, counted and reported
+(``pykv fsck`` says what it is), never a reason to delete real blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import logging
@@ -28,15 +37,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
+from pathlib import Path
 from typing import Any, Iterable
 
+from pykv.blockfile import check_block
+from pykv.errors import FormatError, InputError
+from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_beneath
 from pykv.maintenance.catalog import scan_tree
-from pykv.maintenance.scan import Entry, Kind, collector_paused
-from pykv.tree import KVTree
+from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
+from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, write_small
+from pykv.units import MAX_DURATION_S, MAX_SIZE
 
 log = logging.getLogger(__name__)
-
-GC_STATE_NAME = "gc.json"
 DEFAULT_MIN_AGE_S = 600.0
 
 
@@ -70,6 +82,7 @@ class GcPlan:
 def plan_gc(entries: Iterable[Entry], max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
             now_ns: int | None = None) -> GcPlan:
     """Plan a gc of ``entries`` (non-blocks are ignored) down to ``max_size`` bytes."""
+    check_limits(max_size, min_age_s)
     now_ns = time.time_ns() if now_ns is None else now_ns
     min_mtime_ns = now_ns - int(min_age_s * 1e9)
     total_bytes = total_files = young_files = young_bytes = 0
@@ -88,6 +101,15 @@ def plan_gc(entries: Iterable[Entry], max_size: int, *, min_age_s: float = DEFAU
     return GcPlan(max_size, min_mtime_ns, total_bytes, total_files, candidates, young_files, young_bytes)
 
 
+def check_limits(max_size: int, min_age_s: float) -> None:
+    """``InputError`` unless ``max_size`` and ``min_age_s`` are usable (checked before anything
+    is scanned or created)."""
+    if type(max_size) is not int or not 0 <= max_size <= MAX_SIZE:
+        raise InputError(f"max_size: must be an integer between 0 and {MAX_SIZE}")
+    if not isinstance(min_age_s, (int, float)) or not 0 <= min_age_s <= MAX_DURATION_S:
+        raise InputError(f"min_age: must be between 0 and {MAX_DURATION_S:.0f} seconds")
+
+
 @dataclass
 class GcResult:
     """What a gc did (or, with ``dry_run``, would do)."""
@@ -102,6 +124,8 @@ class GcResult:
     vanished_files: int = 0
     young_files: int = 0
     young_bytes: int = 0
+    junk_files: int = 0  # at a block's name but not a block pykv wrote: left for fsck
+    junk_bytes: int = 0
     freed_by_namespace: Counter = field(default_factory=Counter)
     deleted: list[Entry] = field(default_factory=list, repr=False)
     finished_at: float = 0.0
@@ -124,8 +148,9 @@ class GcResult:
         return data
 
 
-def collect(plan: GcPlan, *, dry_run: bool = False) -> GcResult:
-    """Delete the plan's blocks, oldest access first, re-checking each just before."""
+def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str] | None = None) -> GcResult:
+    """Delete the plan's blocks, oldest access first, re-checking each just before (see the
+    module's docstring); with ``root``, every unlink is relative to the root's fd."""
     result = GcResult(plan.max_size, plan.total_bytes, plan.total_files, dry_run,
                       young_files=plan.young_files, young_bytes=plan.young_bytes)
     candidates = plan.candidates
@@ -142,33 +167,59 @@ def collect(plan: GcPlan, *, dry_run: bool = False) -> GcResult:
             result.vanished_files += 1
             result.vanished_bytes += entry.size
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_mtime_ns > plan.min_mtime_ns:
+        now_atime, now_mtime = clamp_times(st, time.time_ns())
+        if stat.S_ISREG(st.st_mode) and now_mtime > plan.min_mtime_ns:
             continue  # replaced since the scan: not the block the plan saw
-        if st.st_atime_ns > atime_ns:
-            heapq.heappush(heap, (st.st_atime_ns, i))
+        if stat.S_ISREG(st.st_mode) and now_atime > atime_ns:
+            heapq.heappush(heap, (now_atime, i))
+            continue
+        size = allocated_size(st)
+        if not _is_pykv_block(entry.path, st):
+            result.junk_files += 1
+            result.junk_bytes += size
             continue
         if not dry_run:
             try:
-                os.unlink(entry.path)
+                if root is None:
+                    os.unlink(entry.path)
+                else:
+                    unlink_beneath(root, relative_to(root, entry.path))
             except FileNotFoundError:
                 needed -= entry.size
                 result.vanished_files += 1
                 result.vanished_bytes += entry.size
                 continue
-        result.freed_bytes += st.st_size
+            except OSError as exc:  # a planted link above it, a read-only tree: not ours to force
+                log.warning("gc: cannot delete %s: %s", entry.path, exc.strerror)
+                result.junk_files += 1
+                result.junk_bytes += size
+                continue
+        result.freed_bytes += size
         result.freed_files += 1
-        result.freed_by_namespace[entry.namespace] += st.st_size
+        result.freed_by_namespace[entry.namespace] += size
         result.deleted.append(entry)
     return result
+
+
+def _is_pykv_block(path: str, st: os.stat_result) -> bool:
+    """Whether the file at ``path`` is a block pykv wrote: a regular file with one link whose
+    header is valid and whose length is the file's size (one header read, atime unchanged)."""
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return False
+    try:
+        return check_block(Path(path), full=False).size == st.st_size
+    except (FormatError, OSError):
+        return False
 
 
 def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool = False,
            use_catalog: bool = True) -> GcResult:
     """Scan, plan and collect; record the outcome in ``gc.json`` unless ``dry_run``."""
+    check_limits(max_size, min_age_s)  # before the scan creates .pykv/catalog.db
     started = time.monotonic()
     scan = scan_tree(tree, use_catalog=use_catalog)
     with collector_paused():
-        result = collect(plan_gc(scan.entries, max_size, min_age_s=min_age_s), dry_run=dry_run)
+        result = collect(plan_gc(scan.entries, max_size, min_age_s=min_age_s), dry_run=dry_run, root=tree.root)
     result.finished_at = time.time()
     result.seconds = time.monotonic() - started
     if not dry_run:
@@ -180,22 +231,50 @@ def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
 
 
 def record_gc(tree: KVTree, result: GcResult) -> None:
-    """Write ``<root>/.pykv/gc.json`` atomically (temp file, then rename over)."""
-    final = tree.ensure_state_dir() / GC_STATE_NAME
-    temp = tree.temp_path(final)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
-    try:
-        os.write(fd, json.dumps(result.summary(), indent=2).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, final)
+    """Write ``<root>/.pykv/gc.json`` atomically (temp file, then rename over), relative to the
+    state dir's fd; the temp is removed again when either step fails (a full disk)."""
+    content = json.dumps(result.summary(), indent=2).encode()
+    with directory_fd(tree.root, STATE_DIR, create_mode=tree.options.dir_mode) as fd:
+        temp = tree.temp_path(Path(GC_STATE_NAME)).name
+        write_small(temp, content, tree.options.file_mode, dir_fd=fd)
+        try:
+            os.replace(temp, GC_STATE_NAME, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=fd)
+            raise
 
 
 def last_gc(tree: KVTree) -> dict[str, Any] | None:
-    """The summary of the last gc recorded in ``gc.json``; None if none (or unreadable)."""
+    """The summary of the last gc recorded in ``gc.json`` (bounded read; only the fields gc
+    writes, of the types it writes them); None if none, unreadable or not what gc writes."""
     try:
-        data = json.loads((tree.state_dir / GC_STATE_NAME).read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_small(tree.state_dir / GC_STATE_NAME))
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    summary: dict[str, Any] = {}
+    for key, value in data.items():
+        expected = _SUMMARY_TYPES.get(key)
+        if expected is None or type(value) not in expected:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= _SUMMARY_MAX:
+            continue
+        summary[key] = value
+    freed = data.get("freed_by_namespace")
+    if isinstance(freed, dict):
+        summary["freed_by_namespace"] = {k: v for k, v in freed.items()
+                                         if isinstance(k, str) and type(v) is int and 0 <= v <= MAX_SIZE}
+    return summary if 0 < summary.get("finished_at", 0) < _YEAR_10000 else None
+
+
+_YEAR_10000 = 253402300800  # datetime cannot show a later time
+
+
+_SUMMARY_MAX = float(MAX_SIZE)
+_SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
+    **{name: (int,) for name in ("max_size", "total_bytes", "total_files", "freed_bytes", "freed_files",
+                                 "vanished_bytes", "vanished_files", "young_files", "young_bytes", "junk_files",
+                                 "junk_bytes", "remaining_bytes")},
+    "finished_at": (int, float), "seconds": (int, float), "dry_run": (bool,), "target_reached": (bool,)}

@@ -10,13 +10,21 @@ What each place in the tree may hold (see ``pykv.tree`` for the layout):
 =====================  ==============================================================
 place                  allowed entries
 =====================  ==============================================================
-``<root>``             the marker, its temps, ``.pykv/``, namespace dirs (hex names)
+``<root>``             the marker, its temps, the O_DIRECT probe's temps, ``.pykv/``,
+                       namespace dirs (hex names)
+``<root>/.pykv``       ``catalog.db`` (and SQLite's journals), ``gc.json`` and its temps,
+                       ``quarantine/`` (not walked: what is in it was moved there)
 ``<ns>``               ``namespace.json``, its temps, shard dirs (2 hex digits)
 ``<ns>/<aa>``          shard dirs (2 hex digits)
 ``<ns>/<aa>/<bb>``     blocks ``<hex>.kv`` (regular files) and their temps
 =====================  ==============================================================
 
 Anything else is ``FOREIGN``.
+
+Sizes are what a file occupies, ``min(st_size, st_blocks * 512)``: a sparse file that
+claims a terabyte counts for the few blocks it holds. Times from the future (a clock
+ahead, a planted ``utime``) are replaced by the inode's change time, which only the
+kernel sets, so no file is "recent" forever (``clamp_times``).
 """
 
 from __future__ import annotations
@@ -31,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from pykv.tree import BLOCK_SUFFIX, MARKER_NAME, NAMESPACE_FILE, STATE_DIR, TEMP_INFIX, KVTree, is_hex, is_temp_name
+from pykv.tree import (BLOCK_SUFFIX, GC_STATE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME, QUARANTINE_DIR, ROOT_EXEMPT,
+                       STATE_DIR, KVTree, is_hex, is_temp_name, is_temp_of)
 
-#: Entries at the root that belong to the filesystem, not to anyone's cache.
-ROOT_EXEMPT = frozenset({"lost+found"})
 
 
 class Kind(str, enum.Enum):
@@ -67,9 +74,26 @@ class LeafDir(NamedTuple):
     mtime_ns: int
 
 
+#: Names in ``.pykv`` that pykv (or SQLite, for the catalog) writes.
+STATE_FILES = frozenset({"catalog.db", "catalog.db-journal", "catalog.db-wal", "catalog.db-shm", GC_STATE_NAME})
+
+
 def is_metadata_temp(name: str) -> bool:
-    """True for a temp left while publishing the marker or a ``namespace.json``."""
-    return name.split(TEMP_INFIX, 1)[0] in (MARKER_NAME, NAMESPACE_FILE) and TEMP_INFIX in name
+    """True for a temp left while publishing the marker, a ``namespace.json`` or ``gc.json``,
+    or by the O_DIRECT probe."""
+    return is_temp_of(name, (MARKER_NAME, NAMESPACE_FILE, GC_STATE_NAME, PROBE_NAME))
+
+
+def allocated_size(st: os.stat_result) -> int:
+    """Bytes a file occupies: its size, but no more than its allocated blocks (sparse files)."""
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def clamp_times(st: os.stat_result, now_ns: int) -> tuple[int, int]:
+    """(atime, mtime) with any time after ``now_ns`` replaced by the change time (at most now)."""
+    ctime = min(st.st_ctime_ns, now_ns)
+    atime, mtime = st.st_atime_ns, st.st_mtime_ns
+    return (atime if atime <= now_ns else ctime), (mtime if mtime <= now_ns else ctime)
 
 
 def is_block_name(name: str) -> bool:
@@ -86,7 +110,8 @@ def _entry(dirent: os.DirEntry, kind: Kind, namespace: str | None) -> Entry | No
         st = dirent.stat(follow_symlinks=False)
     except FileNotFoundError:
         return None
-    return Entry(dirent.path, kind, namespace, st.st_size, st.st_atime_ns, st.st_mtime_ns,
+    atime, mtime = clamp_times(st, time.time_ns())
+    return Entry(dirent.path, kind, namespace, allocated_size(st), atime, mtime,
                  stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode))
 
 
@@ -104,17 +129,35 @@ def walk_structure(tree: KVTree) -> Iterator[Entry | LeafDir]:
     Leaf dirs are yielded (not listed) so a caller can decide whether to list them
     (``list_leaf``) or to reuse a cached listing when their mtime is unchanged.
     """
-    yield from _walk_level(str(tree.root), None, _root_kind,
-                           lambda item: _walk_namespace(item.path, item.name))
+    def descend(item: os.DirEntry) -> Iterator[Entry | LeafDir]:
+        if item.name == STATE_DIR:
+            return _walk_level(item.path, None, _state_kind, lambda _: iter(()))
+        return _walk_namespace(item.path, item.name)
+
+    yield from _walk_level(str(tree.root), None, _root_kind, descend)
 
 
 _DESCEND = "descend"  # a directory the layout allows: walk into it
-_SKIP = "skip"  # the marker, the state dir, lost+found
+_SKIP = "skip"  # the marker, lost+found
+_STATE = "state"  # .pykv: its temps and foreign entries are reported, the rest skipped
+
+
+def _state_kind(item: os.DirEntry) -> Kind | str:
+    name = item.name
+    if name == QUARANTINE_DIR and item.is_dir(follow_symlinks=False):
+        return _SKIP
+    if name in STATE_FILES and item.is_file(follow_symlinks=False):
+        return _SKIP
+    if is_metadata_temp(name) and item.is_file(follow_symlinks=False):
+        return Kind.TEMP
+    return Kind.FOREIGN
 
 
 def _root_kind(item: os.DirEntry) -> Kind | str:
     name = item.name
-    if name == STATE_DIR or name in ROOT_EXEMPT or (name == MARKER_NAME and item.is_file(follow_symlinks=False)):
+    if name == STATE_DIR and item.is_dir(follow_symlinks=False):
+        return _STATE
+    if name in ROOT_EXEMPT or (name == MARKER_NAME and item.is_file(follow_symlinks=False)):
         return _SKIP
     if is_metadata_temp(name) and item.is_file(follow_symlinks=False):
         return Kind.TEMP
@@ -134,7 +177,7 @@ def _walk_level(path: str, namespace: str | None, kind_of: Callable[[os.DirEntry
                 descend: Callable[[os.DirEntry], Iterator[Entry | LeafDir]]) -> Iterator[Entry | LeafDir]:
     for item in _scandir(path):
         kind = kind_of(item)
-        if kind == _DESCEND:
+        if kind == _DESCEND or kind == _STATE:
             yield from descend(item)
         elif kind != _SKIP:
             entry = _entry(item, kind, namespace)
