@@ -5,7 +5,7 @@ _pykv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     COMPREPLY=()
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "demo inspect gc fsck bench config calibrate warm --help" -- "$cur"))
+        COMPREPLY=($(compgen -W "demo inspect gc fsck init bench config calibrate warm --help" -- "$cur"))
         return
     fi
     case "${COMP_WORDS[1]}" in
@@ -41,6 +41,13 @@ _pykv() {
             esac
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--repair --grace --json --help" -- "$cur"))
+            else
+                COMPREPLY=($(compgen -d -- "$cur"))
+            fi
+            ;;
+        init)
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--help" -- "$cur"))
             else
                 COMPREPLY=($(compgen -d -- "$cur"))
             fi

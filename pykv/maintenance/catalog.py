@@ -136,14 +136,28 @@ class Catalog:
             entry_rows = []
             for leaf, listed_at, entries in fresh:
                 rel = leaf.path[prefix:]
-                trusted = leaf.mtime_ns < listed_at - RACY_NS
+                rows = [(rel, e.path[len(leaf.path) + 1:], e.kind.value, e.size, e.atime_ns, e.mtime_ns)
+                        for e in entries]
+                if not all(_encodable(row[1]) for row in rows):  # a name that is not UTF-8: list it each time
+                    rows = []
+                    trusted = False
+                else:
+                    trusted = leaf.mtime_ns < listed_at - RACY_NS
                 dir_rows.append((rel, leaf.namespace, leaf.mtime_ns if trusted else None))
-                entry_rows.extend((rel, e.path[len(leaf.path) + 1:], e.kind.value, e.size, e.atime_ns, e.mtime_ns)
-                                  for e in entries)
+                entry_rows.extend(rows)
             conn.executemany("INSERT OR REPLACE INTO leaf_dirs (dir, namespace, mtime_ns) VALUES (?, ?, ?)",
                              dir_rows)
             conn.executemany("INSERT OR REPLACE INTO entries (dir, name, kind, size, atime_ns, mtime_ns) "
                              "VALUES (?, ?, ?, ?, ?, ?)", entry_rows)
+
+
+def _encodable(name: str) -> bool:
+    """Whether SQLite can store ``name`` (a file name of bytes that are not UTF-8 cannot)."""
+    try:
+        name.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _checked_kind(name: object, kind: object) -> Kind | None:

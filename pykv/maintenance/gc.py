@@ -28,6 +28,7 @@ link. Anything else at a block's name is *junk*: left in place, counted and repo
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import json
 import logging
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from pykv.blockfile import check_block
-from pykv.errors import FormatError, InputError
+from pykv.errors import FormatError, InputError, UnsafePathError
 from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_beneath
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
@@ -236,6 +237,7 @@ def record_gc(tree: KVTree, result: GcResult) -> None:
     content = json.dumps(result.summary(), indent=2).encode()
     with directory_fd(tree.root, STATE_DIR, create_mode=tree.options.dir_mode) as fd:
         temp = tree.temp_path(Path(GC_STATE_NAME)).name
+        _refuse_foreign_state(fd, tree)
         write_small(temp, content, tree.options.file_mode, dir_fd=fd)
         try:
             os.replace(temp, GC_STATE_NAME, src_dir_fd=fd, dst_dir_fd=fd)
@@ -243,6 +245,18 @@ def record_gc(tree: KVTree, result: GcResult) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(temp, dir_fd=fd)
             raise
+
+
+def _refuse_foreign_state(state_fd: int, tree: KVTree) -> None:
+    """``UnsafePathError`` if what stands at ``gc.json`` is not a file pykv would have written
+    (a link, a FIFO, a directory, a file with another hard link): it is not replaced."""
+    try:
+        st = os.stat(GC_STATE_NAME, dir_fd=state_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        raise UnsafePathError(errno.EEXIST, "not a file pykv wrote; left in place for 'pykv fsck'",
+                              str(tree.state_dir / GC_STATE_NAME))
 
 
 def last_gc(tree: KVTree) -> dict[str, Any] | None:

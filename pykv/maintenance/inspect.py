@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from pykv.io.safe_paths import read_small
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.gc import last_gc
 from pykv.maintenance.scan import Entry, Kind
@@ -102,10 +103,10 @@ def summarize(root: str, entries: Iterable[Entry], *, now_ns: int) -> TreeSummar
 def describe_namespace(tree: KVTree, namespace_id: str) -> str:
     """A short description from ``namespace.json`` (model, dtype, ranks); '' if unreadable."""
     try:
-        data = json.loads((tree.namespace_dir(namespace_id) / NAMESPACE_FILE).read_text())
+        data = json.loads(read_small(tree.namespace_dir(namespace_id) / NAMESPACE_FILE))
         return (f"{data['model']} {data['dtype']} tp{data.get('tp_rank', 0)}/{data.get('tp_size', 1)} "
                 f"pp{data.get('pp_rank', 0)}")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return ""
 
 
