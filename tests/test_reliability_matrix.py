@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -37,11 +38,13 @@ PLACES = {"root": "", "namespace": NS.id, "upper-shard": f"{NS.id}/00", "leaf": 
 NAMES = {
     "block": "{block}",  # a block's name (in the leaf: the name of a key pykv would look up)
     "temp": "{block}.tmp.host.1.abcd",
-    "metadata": "{metadata}",  # the marker at the root, namespace.json, gc.json / catalog.db in .pykv
+    "metadata": "{metadata}",  # the marker at the root, namespace.json, gc.json in .pykv
+    "directory's": "{directory}",  # where a directory belongs: .pykv at the root, a shard, the quarantine
     "longest": "l" * 255,
     "markup-and-bytes": b"[red]e\x1b[31mv\xffil\n".decode("utf-8", "surrogateescape"),
 }
 KINDS = ["file", "directory", "symlink-to-file", "symlink-to-dir", "fifo", "socket", "device", "hardlink"]
+DIRECTORY = {"root": ".pykv", "namespace": "ff", "upper-shard": "ff", "leaf": "ff", "state": "quarantine"}
 METADATA = {"root": "pykv-tree.json", "namespace": "namespace.json", "upper-shard": "namespace.json",
             "leaf": "namespace.json", "state": "gc.json"}
 COMMANDS = [["inspect"], ["gc", "--max-size", "0", "--min-age", "0"], ["fsck", "--grace", "0"],
@@ -119,9 +122,12 @@ def build(tmp_path: Path, place: str, name: str, kind: str) -> tuple[KVTree, Pat
     leaf.mkdir(parents=True, exist_ok=True)
     where = tree.root / PLACES[place].format(leaf=os.path.relpath(leaf, tree.root))
     where.mkdir(parents=True, exist_ok=True)
-    text = name.format(block=tree.block_path(NS.id, victim_key).name, metadata=METADATA[place])
+    text = name.format(block=tree.block_path(NS.id, victim_key).name, metadata=METADATA[place],
+                       directory=DIRECTORY[place])
     target = where / text
-    if target.exists() or target.is_symlink():  # a metadata file pykv made: the planted thing replaces it
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)  # a directory pykv made (.pykv): the planted thing replaces it
+    elif target.exists() or target.is_symlink():  # a metadata file pykv made: the planted thing replaces it
         os.unlink(target)
     return tree, target, outside
 

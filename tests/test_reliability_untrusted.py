@@ -438,3 +438,20 @@ def test_long_paths_in_fsck_output_stay_on_one_line(tmp_path):
 def test_one_block_is_one_block(tmp_path):
     tree, _ = tree_with_blocks(tmp_path / "tree", count=1)
     assert "checked 1 block\n" in run("fsck", tree.root).stdout
+
+
+def test_the_connector_refuses_at_start_a_root_of_the_users_files(tmp_path):
+    pytest.importorskip("vllm")
+    from pykv.connector.config import PykvConfig
+    from pykv.connector.manager import PykvManager
+    from reliability.connector_rig import offloading_config
+
+    user = tmp_path / "home"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work")
+    config = offloading_config(str(user))
+    with pytest.raises(NotATreeError, match=r"kv_connector_extra_config\.root: .* holds files"):
+        PykvManager(config, PykvConfig.from_extra_config(config.extra_config))
+    assert sorted(os.listdir(user)) == ["thesis.tex"]
+    assert run("init", user).exit_code == 0
+    PykvManager(config, PykvConfig.from_extra_config(config.extra_config))  # made a tree on purpose: starts
