@@ -163,6 +163,8 @@ def _encodable(name: str) -> bool:
 def _checked_kind(name: object, kind: object) -> Kind | None:
     """The kind of a cached row, re-derived from its name: None for a name that is not one path
     component (``../x``, ``a/b``); a row may not call a name a block that is not one."""
+    if kind == "block" and type(name) is str and is_block_name(name):
+        return Kind.BLOCK  # the common row: ``<hex>.kv`` is one component by construction
     if not isinstance(name, str) or kind not in _KINDS:
         return None
     try:
@@ -170,9 +172,7 @@ def _checked_kind(name: object, kind: object) -> Kind | None:
     except OSError:
         return None
     claimed = _KINDS[kind]
-    if claimed is Kind.BLOCK and not is_block_name(name):
-        return Kind.FOREIGN
-    if claimed is Kind.TEMP and not is_temp_name(name):
+    if claimed is Kind.BLOCK or (claimed is Kind.TEMP and not is_temp_name(name)):
         return Kind.FOREIGN
     return claimed
 
