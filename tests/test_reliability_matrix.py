@@ -43,7 +43,8 @@ NAMES = {
     "longest": "l" * 255,
     "markup-and-bytes": b"[red]e\x1b[31mv\xffil\n".decode("utf-8", "surrogateescape"),
 }
-KINDS = ["file", "directory", "symlink-to-file", "symlink-to-dir", "fifo", "socket", "device", "hardlink"]
+KINDS = ["file", "directory", "symlink-to-file", "symlink-to-dir", "symlink-to-dev-zero", "fifo", "socket", "device",
+         "hardlink"]
 DIRECTORY = {"root": ".pykv", "namespace": "ff", "upper-shard": "ff", "leaf": "ff", "state": "quarantine"}
 METADATA = {"root": "pykv-tree.json", "namespace": "namespace.json", "upper-shard": "namespace.json",
             "leaf": "namespace.json", "state": "gc.json"}
@@ -76,6 +77,8 @@ def plant(path: Path, kind: str, outside: Path) -> list[int]:
         path.symlink_to(outside / "precious")
     elif kind == "symlink-to-dir":
         path.symlink_to(outside)
+    elif kind == "symlink-to-dev-zero":
+        path.symlink_to("/dev/zero")
     elif kind == "fifo":
         os.mkfifo(path)
     elif kind == "socket":
