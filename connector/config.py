@@ -46,13 +46,14 @@ def _duration(value: Any, key: str) -> float:
     return parse_duration(value if isinstance(value, (int, float, str)) else str(value), field=f"{PREFIX}.{key}")
 
 
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdecimal():
-        raise InputError(f"{PREFIX}.{key}: expected a positive integer, got {value!r}")
-    number = int(value)
-    if number < 1:
-        raise InputError(f"{PREFIX}.{key}: expected a positive integer, got {value!r}")
-    return number
+def _positive_int(maximum: int) -> Callable[[Any, str], int]:
+    """A parser of integers in 1..``maximum`` (a bound so no key can ask for unbounded resources)."""
+    def parse(value: Any, key: str) -> int:
+        text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+        if not text.isdecimal() or len(text) > len(str(maximum)) or not 1 <= int(text) <= maximum:
+            raise InputError(f"{PREFIX}.{key}: expected an integer from 1 to {maximum}, got {str(value)[:40]!r}")
+        return int(text)
+    return parse
 
 
 def _margin(value: Any, key: str) -> float:
@@ -119,8 +120,8 @@ class PykvConfig:
 
     root: str = _key(_root, "", "Directory of the pykv tree (created if missing). Required.", "path")
     staging_bytes: int = _key(_size, "1G", "Transient staging memory per worker (slots for disk I/O).", "size")
-    io_depth: int = _key(_positive_int, 16, "Disk reads and writes in flight per worker.", "int")
-    open_ahead: int = _key(_positive_int, 32, "Files opened ahead of their reads.", "int")
+    io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker.", "int")
+    open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads.", "int")
     read_segment_bytes: int = _key(_segment, 0, "Split each block file's read into parallel reads of this "
                                    "size (multiple of 4 KiB); 0 reads a block in one request. Media that "
                                    "read faster with more, smaller requests in flight gain (see "
@@ -131,7 +132,7 @@ class PykvConfig:
     dram_policy: str = _key(_choice("lru", "arc"), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, True, "Read the stored blocks of requests still waiting in vLLM's queue into "
                          "staging slots ahead of their scheduling.", "bool")
-    preload_look_ahead: int = _key(_positive_int, 8, "Waiting requests (oldest first) whose blocks are "
+    preload_look_ahead: int = _key(_positive_int(65536), 8, "Waiting requests (oldest first) whose blocks are "
                                    "preloaded at a time.", "int")
     preload_max_bytes: int = _key(_size, "256M", "Staging memory per worker that preloaded blocks not yet "
                                   "claimed by their request may hold.", "size")

@@ -62,3 +62,13 @@ def test_every_key_is_documented():
         assert f"`{f.name}`" in doc, f.name
         assert f.metadata["doc"]
     assert [f.name for f in dataclasses.fields(PykvConfig)] == [f.name for f in FIELDS]
+
+
+@pytest.mark.parametrize("key, value", [("io_depth", "9" * 400), ("io_depth", 4097), ("open_ahead", 10 ** 300),
+                                        ("preload_look_ahead", "1" * 5000), ("io_depth", "0x10"), ("io_depth", -1)])
+def test_integer_keys_are_bounded_and_refused_in_one_line(key, value):
+    with pytest.raises(InputError) as info:
+        PykvConfig.from_extra_config({"root": "/r", key: value})
+    message = str(info.value)
+    assert message.startswith(f"kv_connector_extra_config.{key}: expected an integer from 1 to ")
+    assert "\n" not in message and len(message) < 200
