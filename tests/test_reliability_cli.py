@@ -84,6 +84,16 @@ CASES = {  # id -> argv (placeholders filled from the ``places`` fixture)
     "warm/prompts-not-utf8": ["warm", "{binary}", *WARM],
     "warm/bad-set-size": ["warm", "{prompts}", *WARM, "--set", "dram_bytes=12Q"],
     "warm/bad-batch": ["warm", "{prompts}", *WARM, "--batch", "0"],
+    "warm/kv-transfer-config-is-pykvs": ["warm", "{prompts}", *WARM, "--kv-transfer-config", "{}"],
+    "serve/root-is-a-file": ["serve", "{plain}", "--root", "{file}"],
+    "serve/root-not-a-tree": ["serve", "{plain}", "--root", "{plain}"],
+    "serve/malformed-marker": ["serve", "{plain}", "--root", "{badmarker}"],
+    "serve/unknown-key": ["serve", "{plain}", "--root", "{scratch}", "--set", "bogus=1"],
+    "serve/size-garbage": ["serve", "{plain}", "--root", "{scratch}", "--dram", "12Q"],
+    "serve/kv-transfer-config-is-pykvs": ["serve", "{plain}", "--root", "{scratch}", "--kv-transfer-config", "{}"],
+    "serve/no-root": ["serve", "{plain}"],
+    "completions/unknown-shell": ["completions", "show", "--shell", "tcsh"],
+    "completions/unknown-action": ["completions", "remove"],
 }
 
 
