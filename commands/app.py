@@ -8,12 +8,13 @@ completions and docs (``python -m pykv.commands.completions --write completions/
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.metadata
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
-from pykv.commands import bench, calibrate, config, demo, fsck, gc, init, inspect, warm
+from pykv.commands import bench, calibrate, completions, config, demo, fsck, gc, init, inspect, serve, warm
 from pykv.commands.output import run_guarded
 
 
@@ -33,7 +34,28 @@ app = typer.Typer(cls=PykvGroup, name="pykv", no_args_is_help=True, add_completi
                   pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Administer a pykv tree: the hash-addressed files of an external KV cache for vLLM.")
 
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"pykv {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_show_version,
+                                                   help="Print pykv's version and exit.")] = False) -> None:
+    """Administer a pykv tree: the hash-addressed files of an external KV cache for vLLM."""
+
+
+def package_version() -> str:
+    """The installed distribution's version (``pyproject.toml`` when run from a checkout)."""
+    try:
+        return importlib.metadata.version("pykv")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 app.command("demo")(demo.demo_command)
+app.command("serve", context_settings=serve.PASS_THROUGH)(serve.serve_command)
 app.command("inspect")(inspect.inspect_command)
 app.command("gc")(gc.gc_command)
 app.command("fsck")(fsck.fsck_command)
@@ -41,7 +63,8 @@ app.command("init")(init.init_command)
 app.command("bench")(bench.bench_command)
 app.command("config")(config.config_command)
 app.command("calibrate")(calibrate.calibrate_command)
-app.command("warm")(warm.warm_command)
+app.command("warm", context_settings=serve.PASS_THROUGH)(warm.warm_command)
+app.command("completions")(completions.completions_command)
 
 
 def main() -> None:

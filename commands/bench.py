@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.bench import fio_available, run_bench
 from pykv.commands.output import JsonFlag, emit, table, warn
@@ -52,8 +53,19 @@ def bench_command(
             raise InputError(f"--path: {path or directory} does not support O_DIRECT ({reason})")
         if fio and not fio_available():
             warn("fio is not installed; measuring pykv only")
-        results = run_bench(Path(directory), depths=depths, block_size=block, size=total, repeat=repeat,
-                            with_fio=fio, with_files=files, read_segment=segment)
+        screen = Console(stderr=True)
+
+        def run(progress: Any = None) -> list[Any]:
+            return run_bench(Path(directory), depths=depths, block_size=block, size=total, repeat=repeat,
+                             with_fio=fio, with_files=files, read_segment=segment, progress=progress)
+        if screen.is_terminal:  # a bar on stderr for people; logs and pipes get none
+            with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=screen, transient=True) as bar:
+                task = bar.add_task("writing the test file", total=None)
+                results = run(lambda step, done, total: bar.update(task, description=step, completed=done,
+                                                                   total=total))
+        else:
+            results = run()
     data = {"path": str(path or tempfile.gettempdir()), "block_size": block, "size": total, "repeat": repeat,
             "results": [r.as_dict() for r in results]}
     emit(data, as_json=as_json, render=_render)

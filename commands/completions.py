@@ -6,7 +6,10 @@ Everything is read from ``typer.main.get_command(app)``: every registered comman
 with its arguments and options, so a newly registered command (``bench``) is
 picked up by regenerating. Completions are static (no Python runs at TAB time):
 commands, option names, directory names for path arguments and options; other
-option values (sizes, durations) get no suggestions. ``docs/cli.md`` keeps its
+file names where a file is expected, the choices of options that have
+choices (``--dram-policy lru|arc``); other option values (sizes, durations) get
+no suggestions. ``pykv completions install`` writes the file of the user's shell
+where that shell looks for it. ``docs/cli.md`` keeps its
 hand-written text; only the part between the ``BEGIN``/``END`` markers is
 generated. Tests regenerate both and compare them with the committed files.
 """
@@ -14,11 +17,12 @@ generated. Tests regenerate both and compare them with the committed files.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -36,10 +40,15 @@ class Param:
     name: str
     opts: tuple[str, ...]  # ("--max-size",) for options; () for arguments
     takes_value: bool
-    is_path: bool
+    path: str | None  # "dir", "file", or None (not a path)
     required: bool
     decl: str  # as --help shows it: "--max-size SIZE", "root <path>"
     help: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def is_path(self) -> bool:
+        return self.path is not None
 
 
 @dataclass(frozen=True)
@@ -59,12 +68,31 @@ class CommandInfo:
         return [p for p in self.params if not p.opts]
 
 
-def _is_path(param: Any) -> bool:
+def _path_kind(param: Any) -> str | None:
+    """"dir" for directories (a tree root, ``DIR``), "file" for other paths, None for non-paths."""
     descriptor = getattr(param, "type_descriptor", None)
     annotation = getattr(descriptor, "annotation", None)
     if annotation is not None:
-        return annotation is Path or Path in getattr(annotation, "__args__", ())
-    return type(getattr(param, "type", None)).__name__ == "Path"
+        is_path = annotation is Path or Path in getattr(annotation, "__args__", ())
+    else:
+        is_path = type(getattr(param, "type", None)).__name__ == "Path"
+    if not is_path:
+        return None
+    kind = getattr(param, "type", None)
+    if getattr(kind, "file_okay", True) is False or param.name in ("root", "path") or param.metavar == "DIR":
+        return "dir"
+    return "file"
+
+
+def _choices(param: Any) -> tuple[str, ...]:
+    """An option's fixed choices: a click ``Choice``, or a metavar spelled ``a|b|c``."""
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    if choices:
+        return tuple(str(c) for c in choices)
+    metavar = getattr(param, "metavar", None) or ""
+    if re.fullmatch(r"[a-z0-9_-]+(\|[a-z0-9_-]+)+", metavar):
+        return tuple(metavar.split("|"))
+    return ()
 
 
 def describe(app: typer.Typer) -> tuple[str, list[CommandInfo]]:
@@ -88,13 +116,24 @@ def describe(app: typer.Typer) -> tuple[str, list[CommandInfo]]:
             is_option = param.param_type_name == "option"
             opts = tuple(param.opts) + tuple(param.secondary_opts) if is_option else ()
             takes_value = not is_option or not getattr(param, "is_flag", False)
-            params.append(Param(param.name, opts, takes_value, _is_path(param), bool(param.required), decl, " ".join(help_text.split())))
+            params.append(Param(param.name, opts, takes_value, _path_kind(param), bool(param.required), decl,
+                                " ".join(help_text.split()), _choices(param)))
         commands.append(CommandInfo(name, command.get_short_help_str(limit=300), command.help or "",
                                     command.get_usage(ctx).removeprefix("Usage: "), tuple(params)))
     return group.help or "", commands
 
 
 # -- bash -----------------------------------------------------------------------------------
+def _bash_values(param: Param) -> str:
+    if param.choices:
+        return f'COMPREPLY=($(compgen -W "{" ".join(param.choices)}" -- "$cur"))'
+    if param.path == "dir":
+        return 'COMPREPLY=($(compgen -d -- "$cur"))'
+    if param.path == "file":
+        return 'COMPREPLY=($(compgen -f -- "$cur"))'
+    return ":"
+
+
 def bash(commands: list[CommandInfo]) -> str:
     names = " ".join(c.name for c in commands)
     out = [f"# bash completion for {PROGRAM}: {HEADER}", f"# source it, or install as "
@@ -113,15 +152,16 @@ def bash(commands: list[CommandInfo]) -> str:
         if valued:
             out.append('            case "$prev" in')
             for option in valued:
-                action = 'COMPREPLY=($(compgen -d -- "$cur"))' if option.is_path else ":"
+                action = _bash_values(option)
                 out.append(f"                {'|'.join(option.opts)}) {action}; return ;;")
             out.append("            esac")
         words = " ".join(o for p in command.options for o in p.opts)
         out.append('            if [[ "$cur" == -* ]]; then')
         out.append(f'                COMPREPLY=($(compgen -W "{words}" -- "$cur"))')
-        if any(a.is_path for a in command.arguments):
+        argument = next((a for a in command.arguments if a.is_path or a.choices), None)
+        if argument is not None:
             out.append("            else")
-            out.append('                COMPREPLY=($(compgen -d -- "$cur"))')
+            out.append(f"                {_bash_values(argument)}")
         out.append("            fi")
         out.append("            ;;")
     out += ["    esac", "}", f"complete -o filenames -F _{PROGRAM} {PROGRAM}", ""]
@@ -132,6 +172,12 @@ def bash(commands: list[CommandInfo]) -> str:
 def _zsh_text(text: str) -> str:
     text = re.sub(r"\s*\[(default|required|env var)[^\]]*\]", "", text)
     return text.replace("'", "'\\''").replace("[", "(").replace("]", ")").replace(":", "\\:")
+
+
+def _zsh_action(param: Param) -> str:
+    if param.choices:
+        return f"({' '.join(param.choices)})"
+    return {"dir": "_files -/", "file": "_files"}.get(param.path or "", " ")
 
 
 def zsh(commands: list[CommandInfo]) -> str:
@@ -154,11 +200,11 @@ def zsh(commands: list[CommandInfo]) -> str:
                 spec = f"{opt}[{_zsh_text(option.help)}]"
                 if option.takes_value:
                     metavar = option.decl.split()[-1] if " " in option.decl else "VALUE"
-                    spec += f":{_zsh_text(metavar)}:" + ("_files -/" if option.is_path else " ")
+                    spec += f":{_zsh_text(metavar)}:" + _zsh_action(option)
                 specs.append(spec)
         for argument in command.arguments:
             optional = "" if argument.required else ":"
-            action = "_files -/" if argument.is_path else " "
+            action = _zsh_action(argument)
             specs.append(f"{optional}:{argument.name}:{action}")
         joined = " \\\n                    ".join(f"'{s}'" for s in specs)
         out.append(f"                {command.name}) _arguments \\\n                    {joined} ;;")
@@ -172,6 +218,16 @@ def _fish_text(text: str) -> str:
     return text.replace("\\", "\\\\").replace("'", "\\'")
 
 
+def _fish_values(param: Param) -> str:
+    if param.choices:
+        return f" -a '{' '.join(param.choices)}'"
+    if param.path == "dir":
+        return " -a '(__fish_complete_directories)'"
+    if param.path == "file":
+        return " -F"
+    return ""
+
+
 def fish(commands: list[CommandInfo]) -> str:
     out = [f"# fish completion for {PROGRAM}: {HEADER}", f"complete -c {PROGRAM} -f",
            f"complete -c {PROGRAM} -n __fish_use_subcommand -l help -d 'Show this message and exit.'"]
@@ -183,16 +239,48 @@ def fish(commands: list[CommandInfo]) -> str:
         for option in command.options:
             for opt in option.opts:
                 flag = f"-l {opt[2:]}" if opt.startswith("--") else f"-s {opt[1:]}"
-                value = (" -r -a '(__fish_complete_directories)'" if option.is_path else " -r") \
-                    if option.takes_value else ""
+                value = f" -r{_fish_values(option)}" if option.takes_value else ""
                 out.append(f"complete -c {PROGRAM} {seen} {flag}{value} -d '{_fish_text(option.help)}'")
-        if any(a.is_path for a in command.arguments):
-            out.append(f"complete -c {PROGRAM} {seen} -a '(__fish_complete_directories)'")
+        argument = next((a for a in command.arguments if a.is_path or a.choices), None)
+        if argument is not None:
+            out.append(f"complete -c {PROGRAM} {seen}{_fish_values(argument)}")
     out.append("")
     return "\n".join(out)
 
 
 GENERATORS = {"bash": bash, "zsh": zsh, "fish": fish}
+#: Where each shell looks for a user's completion file (relative to $HOME), and what else it needs.
+INSTALL_PATHS = {"bash": (".local/share/bash-completion/completions/pykv", "open a new shell"),
+                 "zsh": (".zfunc/_pykv", "add `fpath=(~/.zfunc $fpath); autoload -Uz compinit; compinit` to "
+                                         "~/.zshrc (before any other compinit) and open a new shell"),
+                 "fish": (".config/fish/completions/pykv.fish", "open a new shell")}
+SHELLS = tuple(GENERATORS)
+
+
+def completions_command(
+    action: Annotated[str, typer.Argument(metavar="show|install", help="show: print the completion script; "
+                                          "install: write it where the shell looks for it.")] = "show",
+    shell: Annotated[Optional[str], typer.Option("--shell", metavar="bash|zsh|fish",
+                                                 help="Shell (default: the one in $SHELL).")] = None,
+) -> None:
+    """Print or install shell completions (bash, zsh, fish) for pykv."""
+    from pykv.errors import InputError
+    if action not in ("show", "install"):
+        raise InputError(f"ACTION: expected show or install, got {action!r}")
+    shell = shell or Path(os.environ.get("SHELL", "bash")).name
+    if shell not in SHELLS:
+        raise InputError(f"--shell: expected one of {', '.join(SHELLS)}, got {shell!r}")
+    text = render_all()[0][FILES[shell]]
+    if action == "show":
+        typer.echo(text, nl=False)
+        return
+    relative, then = INSTALL_PATHS[shell]
+    target = Path.home() / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(target.name + ".tmp")
+    temp.write_text(text)
+    os.replace(temp, target)
+    typer.echo(f"wrote {target}; {then}")
 
 
 # -- docs -----------------------------------------------------------------------------------

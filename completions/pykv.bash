@@ -5,16 +5,28 @@ _pykv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     COMPREPLY=()
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "demo inspect gc fsck init bench config calibrate warm --help" -- "$cur"))
+        COMPREPLY=($(compgen -W "demo serve inspect gc fsck init bench config calibrate warm completions --help" -- "$cur"))
         return
     fi
     case "${COMP_WORDS[1]}" in
         demo)
             case "$prev" in
                 --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --log) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--root --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--root --log --help" -- "$cur"))
+            fi
+            ;;
+        serve)
+            case "$prev" in
+                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --dram) :; return ;;
+                --block-tokens) :; return ;;
+                --set) :; return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--root --dram --block-tokens --set --dry-run --help" -- "$cur"))
             fi
             ;;
         inspect)
@@ -69,10 +81,10 @@ _pykv() {
             case "$prev" in
                 --root) :; return ;;
                 --dram) :; return ;;
-                --dram-policy) :; return ;;
+                --dram-policy) COMPREPLY=($(compgen -W "lru arc" -- "$cur")); return ;;
                 --staging) :; return ;;
                 --io-depth) :; return ;;
-                --verify) :; return ;;
+                --verify) COMPREPLY=($(compgen -W "full header" -- "$cur")); return ;;
                 --block-tokens) :; return ;;
                 --set) :; return ;;
             esac
@@ -86,8 +98,8 @@ _pykv() {
                 --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --lengths) :; return ;;
                 --tiers) :; return ;;
-                --out) COMPREPLY=($(compgen -d -- "$cur")); return ;;
-                --plot) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --plot) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --repeat) :; return ;;
                 --block-tokens) :; return ;;
                 --engine-arg) :; return ;;
@@ -113,7 +125,17 @@ _pykv() {
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--model --root --block-tokens --engine-arg --engine-args --set --dry-run --skip-bad --batch --json --help" -- "$cur"))
             else
-                COMPREPLY=($(compgen -d -- "$cur"))
+                COMPREPLY=($(compgen -f -- "$cur"))
+            fi
+            ;;
+        completions)
+            case "$prev" in
+                --shell) COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")); return ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--shell --help" -- "$cur"))
+            else
+                COMPREPLY=($(compgen -W "show install" -- "$cur"))
             fi
             ;;
     esac

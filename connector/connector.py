@@ -95,6 +95,15 @@ class PykvOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config, **kwargs)
         self._failed_load_requests: set[str] = set()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        """vLLM's metrics, with every ``pykv:*`` counter exported at 0 from the start."""
+        from pykv.connector.spec import export_counters_at_zero
+        metrics = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        export_counters_at_zero(metrics, per_engine_labelvalues)
+        return metrics
+
     # -- worker side ---------------------------------------------------------------------------
     @property
     def _pykv_worker(self) -> Any:

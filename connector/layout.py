@@ -21,6 +21,7 @@ from pykv.staging import slot_bytes_for
 from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, OffloadingConfig
 from pykv.connector.config import PykvConfig
+from pykv.connector.identity import current_engine_settings, hash_seed_fingerprint, model_identity, warn_about_seed
 
 
 def tokens_per_chunk(config: OffloadingConfig) -> int:
@@ -28,10 +29,18 @@ def tokens_per_chunk(config: OffloadingConfig) -> int:
 
 
 def namespace_for(config: OffloadingConfig, rank: int) -> Namespace:
-    """The namespace of ``rank``'s KV bytes (the scheduler looks up rank 0's)."""
+    """The namespace of ``rank``'s KV bytes (the scheduler looks up rank 0's).
+
+    Keyed on what the model is and on vLLM's block-hash seed (``pykv.connector.identity``),
+    not on the path the model was given by; that path is the namespace's label.
+    """
     parallel = config.parallel
     tp_size = max(parallel.tp_size, 1)
+    algo, revision = current_engine_settings()
+    seed = hash_seed_fingerprint(algo, config.engine_id)
+    warn_about_seed(seed)
     extra = {
+        "block_hash_seed": seed,
         "platform": compat.platform_name(),
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
@@ -44,7 +53,7 @@ def namespace_for(config: OffloadingConfig, rank: int) -> Namespace:
         "world_size": parallel.world_size,
         "rank": rank,
     }
-    return Namespace(model=config.model.name, dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
+    return Namespace(model=model_identity(config.model.name, revision), label=config.model.name, dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
                      tokens_per_block=tokens_per_chunk(config), tp_size=tp_size, tp_rank=rank % tp_size,
                      pp_rank=(rank // tp_size) % max(parallel.pp_size, 1), extra=tuple(extra.items()))
 

@@ -93,6 +93,21 @@ METRIC_DOCS = {
 }
 
 
+def export_counters_at_zero(prom_metrics: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
+    """Bind every pykv counter for every engine on vLLM's ``OffloadPromMetrics`` so ``/metrics``
+    shows it at 0 from the start (a labelled Prometheus counter is absent until first bound).
+    Versions without the per-metric registry (``_get_prometheus_metric``) are left as they are."""
+    bind = getattr(prom_metrics, "_get_prometheus_metric", None)
+    if bind is None:
+        return
+    for engine_idx in per_engine_labelvalues:
+        for name in METRIC_DOCS:
+            try:
+                bind(name, (), engine_idx)
+            except (KeyError, AssertionError):  # a vLLM that registered the metric differently
+                return
+
+
 class PykvSpec(OffloadingSpec):
     """pykv as a vLLM KV Offload spec: NVMe file tree plus an optional DRAM tier."""
 

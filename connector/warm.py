@@ -16,9 +16,16 @@ each prompt it:
 - otherwise prefills it (``max_tokens=1``); vLLM stores the new blocks through
   the connector (and loads the ones already present).
 
-With ``dry_run`` nothing is generated: the summary says what would be stored.
+With ``dry_run`` nothing is generated and nothing is written to the tree (not even
+its root): the engine's pykv stores into a scratch tree of the run's work
+directory, and the real tree is only read. The summary says what would be stored.
 Only full storage blocks are stored; the tail of a prompt shorter than one block
 is not.
+
+The engine takes the same vLLM flags a server does (``pykv.connector.serve``), so
+that a warm run and a server given the same flags use the same namespace (engine
+block size, dtype, KV cache dtype are part of it). A prompt set of token ids only
+needs no tokenizer (the engine starts with ``skip_tokenizer_init``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -191,8 +199,11 @@ Progress = Callable[[str, int, int], None]
 
 
 def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batch: int = 16,
-         settle_timeout: float = 300.0, progress: Progress | None = None) -> WarmSummary:
-    """Store the KV of ``prompts`` through ``llm`` (an in-process engine with pykv); see the module doc."""
+         settle_timeout: float = 300.0, progress: Progress | None = None, tree: Any = None) -> WarmSummary:
+    """Store the KV of ``prompts`` through ``llm`` (an in-process engine with pykv); see the module doc.
+
+    ``tree``: the tree to check for present blocks (default: the engine's own; a dry run
+    passes the real tree, read only, or None when it does not exist)."""
     from vllm import SamplingParams
     started = time.monotonic()
     report = progress or (lambda phase, done, total: None)
@@ -203,7 +214,10 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
     threshold = gate.threshold("disk") if gate is not None else 0
     summary = WarmSummary(prompts=len(prompts), tokens_per_chunk=keys_of.tokens_per_chunk, dry_run=dry_run,
                           breakeven_tokens=None if gate is None else float(threshold))
-    present = lambda key: manager.tree.contains(manager.namespace.id, key)  # noqa: E731
+    if tree is None and not dry_run:
+        tree = manager.tree
+    present = (lambda key: False) if tree is None else (  # noqa: E731
+        lambda key: tree.contains(manager.namespace.id, key))
     seen: set[bytes] = set()
     to_store: set[bytes] = set()
     runs: list[dict[str, Any]] = []
@@ -283,6 +297,7 @@ class WarmPlan:
     prompts: list[WarmPrompt]
     settings: dict[str, Any] = field(default_factory=dict)  # pykv keys (docs/configuration.md)
     engine_args: dict[str, Any] = field(default_factory=dict)  # vllm.LLM keyword arguments
+    vllm_args: list[str] = field(default_factory=list)  # vLLM command-line flags, as `pykv serve` takes them
     block_tokens: int = 256
     dry_run: bool = False
     batch: int = 16
@@ -295,44 +310,53 @@ class WarmPlan:
         return cls(**{**data, "prompts": [WarmPrompt.from_json(p) for p in data["prompts"]]})
 
 
-def run_warm(plan: WarmPlan, *, progress: Progress | None = None, python: str = sys.executable) -> dict[str, Any]:
+def run_warm(plan: WarmPlan, *, progress: Progress | None = None, python: str = sys.executable,
+             failed_log: Path = Path("pykv-warm-engine.log")) -> dict[str, Any]:
     """Run ``plan`` in an engine process of its own; return the summary (``WarmSummary.to_json``).
 
     The process runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``PYTHONHASHSEED`` (0 when
-    unset). ``progress(phase, done, total)`` is polled from its progress file. A user error the
-    engine side finds raises ``InputError``; a failed engine ``PykvError`` naming its log.
+    unset, as ``pykv serve``). ``progress(phase, done, total)`` is polled from its progress file.
+    A user error the engine side finds raises ``InputError``; a failed engine ``PykvError``
+    naming its log, kept at ``failed_log``. The run's work directory is removed either way.
     """
-    work = Path(tempfile.mkdtemp(prefix="pykv-warm-"))
-    (work / "plan.json").write_text(json.dumps(plan.to_json()))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.setdefault("PYTHONHASHSEED", "0")
-    result, progress_file, log = work / "result.json", work / "progress.json", work / "engine.log"
-    with open(log, "w") as log_file:  # a file, not a pipe: engine helper processes may outlive the engine
-        proc = subprocess.Popen([python, "-m", "pykv.connector.warm", str(work / "plan.json"), str(result),
-                                 str(progress_file)], env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        last = None
-        while proc.poll() is None:
-            time.sleep(0.2)
-            try:
-                state = json.loads(progress_file.read_text())
-            except (OSError, ValueError):
-                continue
-            if progress is not None and state != last:
-                last = state
-                progress(state["phase"], state["done"], state["total"])
-    if proc.returncode != 0 or not result.exists():
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise PykvError(f"the warm engine failed (exit {proc.returncode}): {tail[0]}; full log: {log}")
-    data = json.loads(result.read_text())
+    from pykv.connector.serve import engine_env
+    with tempfile.TemporaryDirectory(prefix="pykv-warm-") as directory:
+        work = Path(directory)
+        (work / "plan.json").write_text(json.dumps(plan.to_json()))
+        # TMPDIR: what vLLM leaves in the temp directory (vllm_dist_* files) goes with the work directory
+        env = {**engine_env()[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(work)}
+        result, progress_file, log = work / "result.json", work / "progress.json", work / "engine.log"
+        with open(log, "w") as log_file:  # a file, not a pipe: engine helper processes may outlive the engine
+            proc = subprocess.Popen([python, "-m", "pykv.connector.warm", str(work / "plan.json"), str(result),
+                                     str(progress_file)], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+            last = None
+            while proc.poll() is None:
+                time.sleep(0.2)
+                try:
+                    state = json.loads(progress_file.read_text())
+                except (OSError, ValueError):
+                    continue
+                if progress is not None and state != last:
+                    last = state
+                    progress(state["phase"], state["done"], state["total"])
+        if proc.returncode != 0 or not result.exists():
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            shutil.copyfile(log, failed_log)
+            raise PykvError(f"the warm engine failed (exit {proc.returncode}): {tail[0]}; full log: "
+                            f"{failed_log.resolve()}")
+        data = json.loads(result.read_text())
     if "error" in data:
         raise InputError(data["error"])
     return data
 
 
-def run_plan(plan: WarmPlan, progress_path: Path | None) -> dict[str, Any]:
-    """(In the engine process) start the engine the plan describes and warm its prompts."""
+def run_plan(plan: WarmPlan, progress_path: Path | None, work: Path) -> dict[str, Any]:
+    """(In the engine process) start the engine the plan describes and warm its prompts
+    (``work``: the run's own directory, for a dry run's scratch tree)."""
     from vllm import LLM
     from pykv.connector.config import PykvConfig
+    from pykv.connector.serve import engine_kwargs, with_platform_defaults
+    from pykv.tree import MARKER_NAME, KVTree
 
     def progress(phase: str, done: int, total: int) -> None:
         if progress_path is not None:
@@ -342,9 +366,17 @@ def run_plan(plan: WarmPlan, progress_path: Path | None) -> dict[str, Any]:
 
     progress("engine", 0, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the manager must live in this process
-    config = PykvConfig.from_extra_config({"root": plan.root, **plan.settings})
-    llm = LLM(model=plan.model, **plan.engine_args, kv_transfer_config=config.to_kv_transfer_config(plan.block_tokens))
-    summary = warm(llm, plan.prompts, dry_run=plan.dry_run, batch=plan.batch, progress=progress)
+    engine_root, tree = plan.root, None
+    if plan.dry_run:  # the engine's pykv writes a scratch tree; the real one is only read
+        engine_root = str(work / "scratch-tree")
+        if (Path(plan.root) / MARKER_NAME).exists():
+            tree = KVTree.open(plan.root)
+    config = PykvConfig.from_extra_config({"root": engine_root, **plan.settings})
+    kwargs = {**engine_kwargs(plan.model, with_platform_defaults(plan.vllm_args)), **plan.engine_args}
+    if all(p.token_ids is not None for p in plan.prompts):
+        kwargs.setdefault("skip_tokenizer_init", True)  # token ids only: no tokenizer needed
+    llm = LLM(model=plan.model, **kwargs, kv_transfer_config=config.to_kv_transfer_config(plan.block_tokens))
+    summary = warm(llm, plan.prompts, dry_run=plan.dry_run, batch=plan.batch, progress=progress, tree=tree)
     return summary.to_json()
 
 
@@ -356,7 +388,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     args = parser.parse_args(list(argv) if argv is not None else None)
     plan = WarmPlan.from_json(json.loads(args.plan.read_text()))
     try:
-        result = run_plan(plan, args.progress)
+        result = run_plan(plan, args.progress, args.plan.resolve().parent)
     except PykvError as exc:  # the user's mistake, found once the engine is up: one line for the CLI
         result = {"error": str(exc)}
     args.result.write_text(json.dumps(result))

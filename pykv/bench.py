@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
@@ -187,11 +188,24 @@ def drop_page_cache(path: Path) -> None:
 
 def run_bench(directory: Path, *, depths: list[int], block_size: int, size: int, repeat: int = 1,
               engines: tuple[str, ...] = ("io_uring", "threadpool"), with_fio: bool = True,
-              with_files: bool = True, read_segment: int = 0) -> list[BenchResult]:
+              with_files: bool = True, read_segment: int = 0,
+              progress: Callable[[str, int, int], None] | None = None) -> list[BenchResult]:
     """Every engine at every depth, side by side on one file; the median of ``repeat`` passes.
 
     The file is written once untimed first, so every write pass overwrites allocated blocks.
+    ``progress(step, done, total)`` is called before each measurement (and once at the end).
     """
+    use_fio = with_fio and fio_available()
+    steps = [(depth, name) for depth in depths for _ in range(repeat)
+             for name in (*engines, *(("fio",) if use_fio else ()), *(("files",) if with_files else ()))]
+    report = progress or (lambda step, done, total: None)
+    done = 0
+
+    def step(depth: int, name: str) -> None:
+        nonlocal done
+        report(f"depth {depth}: {name}", done, len(steps))
+        done += 1
+
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"pykv-bench-{os.getpid()}.dat"
     results: list[BenchResult] = []
@@ -200,17 +214,22 @@ def run_bench(directory: Path, *, depths: list[int], block_size: int, size: int,
         for depth in depths:
             passes: dict[tuple[str, str], list[BenchResult]] = {}
             for _ in range(repeat):
-                runs = [r for engine in engines for r in bench_raw(engine, path, size=size,
-                                                                    block_size=block_size, depth=depth)]
-                if with_fio and fio_available():
+                runs = []
+                for engine in engines:
+                    step(depth, engine)
+                    runs += bench_raw(engine, path, size=size, block_size=block_size, depth=depth)
+                if use_fio:
+                    step(depth, "fio")
                     runs += bench_fio(path, size=size, block_size=block_size, depth=depth)
                 if with_files:
+                    step(depth, "files")
                     runs += bench_files(engines[0], directory, size=size, block_size=block_size, depth=depth,
                                         read_segment=read_segment)
                 for r in runs:
                     passes.setdefault((r.engine, r.op), []).append(r)
             for runs in passes.values():
                 results.append(sorted(runs, key=lambda r: r.gb_per_s)[len(runs) // 2])
+        report("done", len(steps), len(steps))
     finally:
         path.unlink(missing_ok=True)
     return results

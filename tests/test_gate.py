@@ -87,6 +87,7 @@ vllm = pytest.importorskip("vllm")
 from pykv.connector import compat  # noqa: E402
 from pykv.connector.compat import LookupResult, OffloadingConfig, ReqContext  # noqa: E402
 from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.connector.identity import model_identity  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
 from pykv.connector.spec import Metric  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
@@ -111,8 +112,11 @@ def offloading_config(root: str, **extra) -> OffloadingConfig:
                             parallel=parallel, kv_cache_layout="LBHNC")
 
 
+ENGINE_MODEL = model_identity("tiny")  # what the namespace (and `pykv calibrate`) records for model "tiny"
+
+
 def write_calibration(path, thresholds: dict[str, float], **identity) -> str:
-    values = {"model": "tiny", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", **identity}
+    values = {"model": ENGINE_MODEL, "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", **identity}
     Calibration(**values, tiers={t: TierCalibration(v) for t, v in thresholds.items()}).save(path)
     return str(path)
 

@@ -38,6 +38,22 @@ def test_inspect_tree_reads_descriptions_and_last_gc(tmp_path):
     summary = inspect_tree(tree)
     assert summary.files == 3 and summary.bytes == 3 * BLOCK_SIZE
     by_id = {s.id: s for s in summary.namespaces}
-    assert by_id[NS.id].description == "test/model bfloat16 tp0/1 pp0"
+    assert by_id[NS.id].description == "test/model bfloat16 tp0/1 pp0 16 tokens/block"
+    assert by_id[NS.id].fields["model"] == "test/model"
     assert summary.last_gc["freed_files"] == 1
     assert summary.as_dict()["namespaces"][0]["ages"]
+
+
+def test_namespaces_that_read_alike_show_what_tells_them_apart(tmp_path):
+    import dataclasses
+    seeded = dataclasses.replace(NS, extra=(("block_hash_seed", "abc"), ("platform", "cpu")), label="/models/m")
+    other_seed = dataclasses.replace(seeded, extra=(("block_hash_seed", "def"), ("platform", "cpu")))
+    other_layout = dataclasses.replace(seeded, kv_layout="HND")
+    tree = make_tree(tmp_path, seeded, other_seed, other_layout)
+    for i, space in enumerate((seeded, other_seed, other_layout)):
+        add_block(tree, key(i), namespace=space)
+    by_id = {s.id: s for s in inspect_tree(tree).namespaces}
+    assert by_id[seeded.id].description == "/models/m bfloat16 tp0/1 pp0 16 tokens/block seed abc kv_layout=NHD"
+    assert by_id[other_layout.id].description.endswith("seed abc kv_layout=HND")
+    assert by_id[other_seed.id].description == "/models/m bfloat16 tp0/1 pp0 16 tokens/block seed def"
+    assert by_id[other_seed.id].fields["extra.platform"] == "cpu" and by_id[other_seed.id].fields["model"] == "test/model"

@@ -60,7 +60,7 @@ def test_changing_any_field_changes_the_fingerprint(change):
 def test_every_field_is_covered_by_the_sensitivity_test():
     names = {f.name for f in dataclasses.fields(Namespace)}
     assert names == {"model", "dtype", "kv_layout", "tokens_per_block", "tp_size", "tp_rank",
-                     "pp_rank", "format_version", "extra"}
+                     "pp_rank", "format_version", "extra", "label"}  # label: shown, not fingerprinted
 
 
 def test_extra_order_does_not_matter():

@@ -95,6 +95,16 @@ CASES = {  # id -> argv (placeholders filled from the ``places`` fixture)
     "config/staging-huge": ["config", "--root", "{tree}", "--staging", "9" * 400],
     "init/root-is-a-file": ["init", "{file}"],
     "init/malformed-marker": ["init", "{badmarker}"],
+    "warm/kv-transfer-config-is-pykvs": ["warm", "{prompts}", *WARM, "--kv-transfer-config", "{}"],
+    "serve/root-is-a-file": ["serve", "{plain}", "--root", "{file}"],
+    "serve/root-not-a-tree": ["serve", "{plain}", "--root", "{plain}"],
+    "serve/malformed-marker": ["serve", "{plain}", "--root", "{badmarker}"],
+    "serve/unknown-key": ["serve", "{plain}", "--root", "{scratch}", "--set", "bogus=1"],
+    "serve/size-garbage": ["serve", "{plain}", "--root", "{scratch}", "--dram", "12Q"],
+    "serve/kv-transfer-config-is-pykvs": ["serve", "{plain}", "--root", "{scratch}", "--kv-transfer-config", "{}"],
+    "serve/no-root": ["serve", "{plain}"],
+    "completions/unknown-shell": ["completions", "show", "--shell", "tcsh"],
+    "completions/unknown-action": ["completions", "remove"],
 }
 
 

@@ -41,6 +41,7 @@ def age_bucket(age_s: float) -> str:
 class NamespaceSummary:
     id: str
     description: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)  # namespace.json as written (what keys it)
     files: int = 0
     bytes: int = 0
     temp_files: int = 0
@@ -100,14 +101,43 @@ def summarize(root: str, entries: Iterable[Entry], *, now_ns: int) -> TreeSummar
         foreign=sum(s.foreign for s in namespaces), ages=ages, last_gc=None)
 
 
-def describe_namespace(tree: KVTree, namespace_id: str) -> str:
-    """A short description from ``namespace.json`` (model, dtype, ranks); '' if unreadable."""
+def read_namespace_fields(tree: KVTree, namespace_id: str) -> dict[str, Any]:
+    """``namespace.json`` of a namespace, ``extra`` flattened into ``extra.<key>``; {} if unreadable."""
     try:
         data = json.loads(read_small(tree.namespace_dir(namespace_id) / NAMESPACE_FILE))
-        return (f"{data['model']} {data['dtype']} tp{data.get('tp_rank', 0)}/{data.get('tp_size', 1)} "
-                f"pp{data.get('pp_rank', 0)}")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        if not isinstance(data, dict):
+            return {}
+        extra = data.pop("extra", None)
+        data.pop("id", None)
+        if isinstance(extra, dict):
+            data.update({f"extra.{k}": v for k, v in extra.items()})
+        return data
+    except (OSError, ValueError, RecursionError):
+        return {}
+
+
+def describe_namespace(fields: dict[str, Any]) -> str:
+    """A short description (model, dtype, ranks, block tokens, hash seed); '' if unreadable."""
+    try:
+        text = (f"{fields.get('label') or fields['model']} {fields['dtype']} tp{fields.get('tp_rank', 0)}/"
+                f"{fields.get('tp_size', 1)} pp{fields.get('pp_rank', 0)} {fields['tokens_per_block']} tokens/block")
+    except (KeyError, TypeError):
         return ""
+    seed = fields.get("extra.block_hash_seed")
+    return text + (f" seed {str(seed)[:16]}" if seed is not None else "")
+
+
+def _add_differences(namespaces: list[NamespaceSummary]) -> None:
+    """Where two namespaces read alike, append the fields that tell them apart."""
+    by_text: dict[str, list[NamespaceSummary]] = {}
+    for space in namespaces:
+        if space.description:
+            by_text.setdefault(space.description, []).append(space)
+    for group in (g for g in by_text.values() if len(g) > 1):
+        keys = sorted({k for s in group for k in s.fields if k != "label"})
+        differing = [k for k in keys if len({json.dumps(s.fields.get(k), sort_keys=True) for s in group}) > 1]
+        for space in group:
+            space.description += "".join(f" {k}={space.fields.get(k)}" for k in differing)
 
 
 def inspect_tree(tree: KVTree, *, use_catalog: bool = True) -> TreeSummary:
@@ -117,7 +147,9 @@ def inspect_tree(tree: KVTree, *, use_catalog: bool = True) -> TreeSummary:
     summary = summarize(str(tree.root), scan.entries, now_ns=time.time_ns())
     for space in summary.namespaces:
         if space.id:
-            space.description = describe_namespace(tree, space.id)
+            space.fields = read_namespace_fields(tree, space.id)
+            space.description = describe_namespace(space.fields)
+    _add_differences(summary.namespaces)
     summary.last_gc = last_gc(tree)
     summary.dirs_listed, summary.dirs_cached = scan.dirs_listed, scan.dirs_cached
     summary.seconds = time.monotonic() - started
