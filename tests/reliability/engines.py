@@ -95,3 +95,45 @@ def ktc(root: Path, block_tokens: int = 256, **keys) -> dict:
 
 def counter(result: dict, snapshot: str, key: str, process: str = "worker0") -> int:
     return result[snapshot].get(process, {}).get(key, 0)
+
+
+# -- the same-path oracle ----------------------------------------------------------------------------
+REFERENCE_ENGINE = {"enable_prefix_caching": True}
+
+
+def reference_steps(sequence: list[tuple[str, list[int]]]) -> list[dict]:
+    """Steps for a reference engine (no connector, vLLM's own prefix cache on): each ``(name, prompt)``
+    in order, so a repeated prompt (or one sharing a prefix with an earlier one) hits vLLM's cache."""
+    return [gen(f"{name}#{i}", prompt) for i, (name, prompt) in enumerate(sequence)]
+
+
+class SamePath:
+    """The oracle for token comparisons: what a no-connector engine with vLLM's prefix cache produced
+    for the same prompt with exactly the same number of cached tokens (0: a cold prefill).
+
+    A random bf16 model's output after a prefix hit need not equal a cold prefill's, so a pykv hit
+    of H tokens is compared with a prefix-cache hit of H tokens: the same KV (computed by the same
+    cold prefill) and the same computation of the rest. Prompt lengths are chosen so both caches
+    hit the same length (pykv: whole storage blocks; vLLM: whole 32-token blocks)."""
+
+    def __init__(self, result: dict):
+        self.by_prompt: dict[str, dict[int, list[int]]] = {}
+        for step, outputs in result.items():
+            if "#" not in step:
+                continue
+            name, out = step.split("#")[0], outputs[0]
+            known = self.by_prompt.setdefault(name, {})
+            cached, got = out["num_cached_tokens"], out["tokens"]
+            assert known.setdefault(cached, got) == got, f"reference {name} at {cached} cached tokens differs from itself"
+
+    def at(self, name: str, cached: int) -> list[int]:
+        known = self.by_prompt.get(name, {})
+        assert cached in known, f"{name}: no reference run with {cached} cached tokens (has {sorted(known)})"
+        return known[cached]
+
+    def cold(self, name: str) -> list[int]:
+        return self.at(name, 0)
+
+    def same_path(self, name: str, output: dict) -> list[int]:
+        """The reference for ``output`` (a driver result entry): same prompt, same hit length."""
+        return self.at(name, output["num_cached_tokens"])
