@@ -8,6 +8,8 @@ Tokens are compared with a same-path reference (``SamePath``): an engine without
 pykv and with vLLM's prefix cache, which runs each prompt cold and then hits the
 same number of tokens pykv loads. Prompts of 769-800 tokens (and 513-544) make
 both hits equal: three (two) whole 256-token blocks = 24 (16) whole 32-token blocks.
+All engines run in-process, so the driver also reads their KV caches: after a pykv
+load, the loaded blocks hold the bytes the reference's cold prefill computed.
 
 Engines: reference (no connector) -> A (reload, shared prefix, corruption) ->
 B and C at the same time on A's tree (fresh processes, sharing, DRAM LRU / ARC)
@@ -28,7 +30,8 @@ pytest.importorskip("vllm")
 from pykv.blockfile import check_block  # noqa: E402
 
 from reliability.engines import (  # noqa: E402
-    REFERENCE_ENGINE, SamePath, finish, ktc, reference_steps, settle, snap, start, tiny_model_work, tokens)
+    IN_PROCESS, REFERENCE_ENGINE, SamePath, finish, ktc, kv_digest, reference_steps, settle, snap, start,
+    tiny_model_work, tokens)
 
 CHUNK = 256  # tokens per storage block (8 engine blocks of 32)
 
@@ -44,11 +47,16 @@ REFERENCE = ["P1", "P1", "P2", "P2", "XA", "XB", "Pb", "Pb", "Pc", "Pc", "Pctrl"
 
 
 def run(work: Path, name: str, ktc: dict | None, steps: list[dict], engine: dict | None = None) -> dict:
-    return finish(*start(work, name, ktc, steps, engine))
+    return finish(*start(work, name, ktc, steps, engine, IN_PROCESS))
 
 
 def gen(name: str, prompt: str) -> dict:
     return {"op": "generate", "name": name, "prompts": [P[prompt]]}
+
+
+def kv(step: str, prompt: str) -> dict:
+    """The digests of the engine blocks pykv loads for ``prompt`` (whole 256-token blocks), after ``step``."""
+    return kv_digest(f"{step}-kv", step, (len(P[prompt]) - 1) // CHUNK * CHUNK // 32)
 
 
 def worker(result: dict, snapshot: str) -> dict:
@@ -66,9 +74,12 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(work) -> SamePath:
-    result = run(work, "reference", None, reference_steps([(name, P[name]) for name in REFERENCE]), REFERENCE_ENGINE)
+    cold_kv = [kv(f"{name}#{REFERENCE.index(name)}", name) for name in ("P1", "Pb", "Pc", "Pctrl", "P6a")]
+    steps = reference_steps([(name, P[name]) for name in REFERENCE]) + cold_kv
+    result = run(work, "reference", None, steps, REFERENCE_ENGINE)
     print(f"engine start (no connector): {result['engine_start_s']} s")
     reference = SamePath(result)
+    reference.kv = {name: result[f"{name}#{REFERENCE.index(name)}-kv"] for name in ("P1", "Pb", "Pc", "Pctrl", "P6a")}
     for name in set(REFERENCE):  # the reference hit what pykv will: whole storage blocks
         if REFERENCE.count(name) == 2:
             assert sorted(reference.by_prompt[name]) == [0, (len(P[name]) - 1) // CHUNK * CHUNK], name
@@ -80,7 +91,7 @@ def baseline(work) -> SamePath:
 def engine_a(work, baseline) -> dict:
     root = work / "tree"
     steps = [gen("s1a", "P1"), settle(work, "A"), snap(work, "A", "a1"),
-             gen("s1b", "P1"), settle(work, "A"), snap(work, "A", "a2"),
+             gen("s1b", "P1"), kv("s1b", "P1"), settle(work, "A"), snap(work, "A", "a2"),
              gen("s4a", "XA"), settle(work, "A"), snap(work, "A", "a3"),
              gen("s4b", "XB"), settle(work, "A"), snap(work, "A", "a4"),
              {"op": "mark", "name": "m2"}, gen("s2a", "P2"), settle(work, "A"),
@@ -98,6 +109,7 @@ def test_second_run_loads_from_disk_with_baseline_tokens(engine_a, baseline):
     assert worker(r, "a1")["store_published"] == 3  # 790 tokens: three full 256-token blocks
     assert r["s1b"][0]["num_cached_tokens"] == 3 * CHUNK
     assert r["s1b"][0]["tokens"] == baseline.at("P1", 3 * CHUNK)
+    assert r["s1b-kv"] == baseline.kv["P1"]  # the loaded blocks hold what the cold prefill computed
     assert worker(r, "a2")["load_blocks_disk"] == 3
     assert r["a2"]["scheduler"]["pykv:load_hits_disk"] == 3
 
@@ -130,12 +142,14 @@ def test_corrupt_payload_is_rejected_and_recomputed(engine_a, baseline, work):
 def engines_bc(work, engine_a) -> tuple[dict, dict]:
     root = work / "tree"
     wait = {"op": "wait_files", "root": str(root), "count": len(block_files(root)) + 6, "timeout": 300}
-    b_steps = [gen("b1", "P1"), gen("b2", "Pb"), settle(work, "B"), wait, gen("b3", "Pc"), settle(work, "B"),
-               snap(work, "B", "b_before"), gen("b4", "Pb"), settle(work, "B"), snap(work, "B", "b_after")]
-    c_steps = [gen("c1", "P1"), gen("c2", "Pc"), settle(work, "C"), wait, gen("c3", "Pb"), settle(work, "C"),
-               snap(work, "C", "c_before"), gen("c4", "Pc"), settle(work, "C"), snap(work, "C", "c_after")]
-    b = start(work, "B", ktc(root, dram_bytes="8M", dram_policy="lru"), b_steps)
-    c = start(work, "C", ktc(root, dram_bytes="8M", dram_policy="arc"), c_steps)
+    b_steps = [gen("b1", "P1"), gen("b2", "Pb"), settle(work, "B"), wait, gen("b3", "Pc"), kv("b3", "Pc"),
+               settle(work, "B"), snap(work, "B", "b_before"), gen("b4", "Pb"), kv("b4", "Pb"), settle(work, "B"),
+               snap(work, "B", "b_after")]
+    c_steps = [gen("c1", "P1"), gen("c2", "Pc"), settle(work, "C"), wait, gen("c3", "Pb"), kv("c3", "Pb"),
+               settle(work, "C"), snap(work, "C", "c_before"), gen("c4", "Pc"), kv("c4", "Pc"), settle(work, "C"),
+               snap(work, "C", "c_after")]
+    b = start(work, "B", ktc(root, dram_bytes="8M", dram_policy="lru"), b_steps, extra_env=IN_PROCESS)
+    c = start(work, "C", ktc(root, dram_bytes="8M", dram_policy="arc"), c_steps, extra_env=IN_PROCESS)
     return finish(*b, timeout=900), finish(*c, timeout=900)
 
 
@@ -147,6 +161,7 @@ def test_fresh_engines_share_the_tree_concurrently(engines_bc, baseline):
         assert r[other][0]["num_cached_tokens"] == 3 * CHUNK  # written by the other engine
     assert b["b2"][0]["tokens"] == baseline.cold("Pb") and c["c2"][0]["tokens"] == baseline.cold("Pc")
     assert b["b3"][0]["tokens"] == baseline.at("Pc", 3 * CHUNK) and c["c3"][0]["tokens"] == baseline.at("Pb", 3 * CHUNK)
+    assert b["b3-kv"] == baseline.kv["Pc"] and c["c3-kv"] == baseline.kv["Pb"]  # the other engine's bytes
 
 
 @pytest.mark.parametrize("engine, hit, prompt", [(0, "b", "Pb"), (1, "c", "Pc")], ids=["lru", "arc"])
@@ -155,6 +170,7 @@ def test_dram_tier_hit_reads_no_disk(engines_bc, baseline, engine, hit, prompt):
     before, after = worker(r, f"{hit}_before"), worker(r, f"{hit}_after")
     assert r[f"{hit}4"][0]["num_cached_tokens"] == 3 * CHUNK
     assert r[f"{hit}4"][0]["tokens"] == baseline.at(prompt, 3 * CHUNK)
+    assert r[f"{hit}4-kv"] == baseline.kv[prompt]
     assert after.get("load_blocks_dram", 0) - before.get("load_blocks_dram", 0) == 3
     assert after.get("load_blocks_disk", 0) == before.get("load_blocks_disk", 0)
 
@@ -170,9 +186,9 @@ def engine_f(work, baseline):
           f"subprocess.run(['mount', '-o', 'remount,bind,ro', '{root}'], check=True)")
     steps = [{"op": "mark", "name": "m"}, gen("f1", "Pctrl"), settle(work, "F"),
              {"op": "corrupt", "root": str(root), "mode": "flip", "since": "m"},
-             gen("f2", "Pctrl"), settle(work, "F"), snap(work, "F", "f_ctrl"),
+             gen("f2", "Pctrl"), kv("f2", "Pctrl"), settle(work, "F"), snap(work, "F", "f_ctrl"),
              gen("f3", "P6a"), settle(work, "F"), gen("f4", "P6b"), settle(work, "F"), snap(work, "F", "f_full"),
-             gen("f5", "P6a"), settle(work, "F"),
+             gen("f5", "P6a"), kv("f5", "P6a"), settle(work, "F"),
              {"op": "exec", "code": ro}, {"op": "sleep", "seconds": 2.5},
              gen("f6", "P6c"), settle(work, "F"), snap(work, "F", "f_ro")]
     try:
@@ -190,6 +206,8 @@ def test_verify_header_control_uses_corrupt_bytes(engine_f, baseline):
     assert result["f1"][0]["tokens"] == baseline.cold("Pctrl")
     assert result["f2"][0]["num_cached_tokens"] == 3 * CHUNK
     assert result["f2"][0]["tokens"] != baseline.at("Pctrl", 3 * CHUNK)  # what checksums prevent
+    wrong = [mine != theirs for mine, theirs in zip(result["f2-kv"], baseline.kv["Pctrl"])]
+    assert len(wrong) == 24 and all(wrong)  # every loaded block holds the flipped bytes
 
 
 def test_disk_full_and_read_only_tree_keep_serving_without_partial_files(engine_f, baseline):
@@ -197,6 +215,7 @@ def test_disk_full_and_read_only_tree_keep_serving_without_partial_files(engine_
     for step, prompt in (("f3", "P6a"), ("f4", "P6b"), ("f6", "P6c")):
         assert result[step][0]["num_cached_tokens"] == 0 and result[step][0]["tokens"] == baseline.cold(prompt), step
     assert result["f5"][0]["tokens"] == baseline.at("P6a", 2 * CHUNK)
+    assert result["f5-kv"] == baseline.kv["P6a"]
     full, ro = worker(result, "f_full"), worker(result, "f_ro")
     assert full["store_blocks_failed"] >= 1 and full["store_pauses"] >= 1
     assert ro["store_blocks_failed"] > full["store_blocks_failed"] and ro["store_pauses"] > full["store_pauses"]

@@ -33,19 +33,22 @@ def tiny_model_work(tmp_path_factory, name: str) -> Path:
     return work
 
 
-def env(work: Path, name: str) -> dict[str, str]:
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the driver can read the engine's KV cache ("kv_digest")
+
+
+def env(work: Path, name: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "PYKV_STATS_FILE": str(work / f"{name}.stats")}
+            "PYKV_STATS_FILE": str(work / f"{name}.stats"), **(extra or {})}
 
 
 def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
-          engine: dict | None = None) -> tuple[subprocess.Popen, Path]:
+          engine: dict | None = None, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, str(DRIVER), str(work / f"{name}.plan.json"), str(out)],
-                            env=env(work, name), stdout=log, stderr=subprocess.STDOUT, cwd=work)
+                            env=env(work, name, extra_env), stdout=log, stderr=subprocess.STDOUT, cwd=work)
     return proc, out
 
 
@@ -69,6 +72,11 @@ def log_errors(work: Path, name: str) -> list[str]:
 
 def gen(name: str, prompt: list[int], max_tokens: int = 8) -> dict:
     return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": max_tokens}
+
+
+def kv_digest(name: str, of: str, blocks: int) -> dict:
+    """Digests of the first ``blocks`` engine blocks of step ``of``'s request (in-process engines)."""
+    return {"op": "kv_digest", "name": name, "of": of, "blocks": blocks}
 
 
 def settle(work: Path, engine: str) -> dict:
@@ -118,8 +126,9 @@ class SamePath:
 
     def __init__(self, result: dict):
         self.by_prompt: dict[str, dict[int, list[int]]] = {}
+        self.kv: dict[str, list[str]] = {}  # a prompt's KV block digests from its cold run, where a test reads them
         for step, outputs in result.items():
-            if "#" not in step:
+            if "#" not in step or not (isinstance(outputs, list) and outputs and isinstance(outputs[0], dict)):
                 continue
             name, out = step.split("#")[0], outputs[0]
             known = self.by_prompt.setdefault(name, {})
