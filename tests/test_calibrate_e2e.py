@@ -277,9 +277,26 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
+def run_driver(model: Path, work: Path, name: str, ktc: dict | None, steps: list[dict], env: dict,
+               engine: dict | None = None) -> subprocess.Popen:
+    plan = work / f"{name}.plan.json"
+    plan.write_text(json.dumps({"model": str(model), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}))
+    with open(work / f"{name}.log", "w") as log:
+        return subprocess.Popen([sys.executable, str(DRIVER), str(plan), str(work / f"{name}.out.json")], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=work)
+
+
+def driver_result(proc: subprocess.Popen, work: Path, name: str) -> dict:
+    assert proc.wait(timeout=900) == 0, (work / f"{name}.log").read_text()[-4000:]
+    return json.loads((work / f"{name}.out.json").read_text())
+
+
 @pytest.mark.slow
 def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
-    """Disk threshold 600 tokens: LONG (1,000 tokens, 768 reusable) loads; SHORT (600, 512 reusable) recomputes."""
+    """Disk threshold 600 tokens: LONG (790 tokens, 768 reusable) loads; SHORT (600, 512 reusable) recomputes.
+    LONG's hit is compared with vLLM's own prefix cache hitting the same 768 tokens (``SamePath``)."""
+    from reliability.engines import REFERENCE_ENGINE, SamePath, reference_steps
+
     from pykv.connector.config import PykvConfig
 
     cal = Calibration(model=str(model), dtype="bfloat16", kv_layout="LBHNC/v29+",
@@ -288,7 +305,7 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
     root, stats = tmp_path / "tree", str(tmp_path / "gate.stats")
     ktc = PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", "breakeven_file": str(path)}
                                        ).to_kv_transfer_config(CHUNK)
-    long, short = prompt(1, 1000), prompt(2, 600)
+    long, short = prompt(1, 790), prompt(2, 600)
 
     def gen(name, tokens):
         return {"op": "generate", "name": name, "prompts": [tokens]}
@@ -298,15 +315,12 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
 
     steps = [gen("long1", long), gen("short1", short), *checkpoint("stored"),
              gen("short2", short), *checkpoint("refused"), gen("long2", long), *checkpoint("loaded")]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"model": str(model), "kv_transfer_config": ktc, "steps": steps}))
-    out, log = tmp_path / "out.json", tmp_path / "engine.log"
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "PYKV_STATS_FILE": stats}
-    with open(log, "w") as log_file:
-        rc = subprocess.run([sys.executable, str(DRIVER), str(plan), str(out)], env=env, stdout=log_file,
-                            stderr=subprocess.STDOUT, cwd=tmp_path, timeout=900).returncode
-    assert rc == 0, log.read_text()[-4000:]
-    r = json.loads(out.read_text())
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYKV_STATS_FILE": stats}  # two engines at once: 1 GiB KV caches
+    gated = run_driver(model, tmp_path, "engine", ktc, steps, env)
+    reference = run_driver(model, tmp_path, "reference", None, reference_steps([("long", long)] * 2), env,
+                           REFERENCE_ENGINE)
+    r, same_path = driver_result(gated, tmp_path, "engine"), SamePath(driver_result(reference, tmp_path, "reference"))
     disk = lambda snap: r[snap]["worker0"].get("load_blocks_disk", 0)
     refusals = lambda snap: r[snap]["scheduler"].get("pykv:gate_refusals", 0)
     assert r["stored"]["worker0"]["store_published"] == 3 + 2
@@ -317,4 +331,5 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
     # above it: loaded from disk
     assert r["long2"][0]["num_cached_tokens"] == 3 * CHUNK and disk("loaded") == 3
     assert refusals("loaded") == refusals("refused")
-    assert r["long2"][0]["tokens"] == r["long1"][0]["tokens"]
+    assert r["long1"][0]["tokens"] == same_path.cold("long")
+    assert r["long2"][0]["tokens"] == same_path.at("long", 3 * CHUNK)

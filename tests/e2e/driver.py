@@ -15,6 +15,10 @@ PLAN: {"model": dir, "kv_transfer_config": {...} | null, "steps": [...]}; each s
   {"op": "wait_files", "root": dir, "count": n, "timeout": s}  wait for n block files
   {"op": "exec", "code": str}  exec arbitrary test glue (mount tricks, chmod) in-process
   {"op": "sleep", "seconds": s}
+  {"op": "kv_digest", "name": str, "of": generate step, "blocks": n}  results[name] = the xxh3 of each of
+      the first n engine blocks of that step's (first) request, as its KV cache holds them now: every
+      layer's bytes of that block. Needs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where
+      each generate result also lists its request's engine block ids ("blocks").
 The engine starts under ``if __name__ == "__main__"`` as vLLM's CPU build requires.
 """
 
@@ -75,6 +79,43 @@ def corrupt(root: str, mode: str, since: float | None, count: int | None) -> lis
     return touched
 
 
+class KVPages:
+    """The engine's own KV cache, read in-process: which blocks each request got, and their bytes."""
+
+    def __init__(self, llm) -> None:
+        core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore
+        self.manager = core.scheduler.kv_cache_manager
+        self.caches = core.model_executor.driver_worker.worker.model_runner.kv_caches
+        self.num_blocks = core.scheduler.kv_cache_config.num_blocks
+        self.blocks: dict[str, list[int]] = {}
+        allocate = self.manager.allocate_slots
+
+        def recording_allocate(request, *args, **kwargs):
+            result = allocate(request, *args, **kwargs)
+            self.blocks[request.request_id] = list(self.manager.get_block_ids(request.request_id)[0])
+            return result
+        self.manager.allocate_slots = recording_allocate
+
+    def of(self, request_id: str) -> list[int] | None:
+        """The engine blocks of an output's request (the engine's id may add a suffix to the output's)."""
+        for engine_id, blocks in self.blocks.items():
+            if engine_id == request_id or engine_id.startswith(request_id + "-"):
+                return blocks
+        return None
+
+    def digests(self, block_ids: list[int]) -> list[str]:
+        import torch
+        import xxhash
+        out = []
+        for block in block_ids:
+            digest = xxhash.xxh3_64()
+            for cache in self.caches:
+                dim = list(cache.shape).index(self.num_blocks)  # the block dimension of this layout
+                digest.update(cache.select(dim, block).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            out.append(digest.hexdigest())
+        return out
+
+
 def main(plan_path: str, result_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     from vllm import LLM, SamplingParams
@@ -87,13 +128,19 @@ def main(plan_path: str, result_path: str) -> None:
     started = time.monotonic()
     llm = LLM(**kwargs)
     results: dict = {"engine_start_s": round(time.monotonic() - started, 1), "corrupted": []}
+    pages = KVPages(llm) if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None
     for step in plan["steps"]:
         op = step["op"]
         if op == "generate":
             params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
             outputs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
-            results[step["name"]] = [{"tokens": list(o.outputs[0].token_ids),
-                                      "num_cached_tokens": o.num_cached_tokens} for o in outputs]
+            results[step["name"]] = [{"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                                      **({"blocks": pages.of(o.request_id)} if pages else {})}
+                                     for o in outputs]
+        elif op == "kv_digest":
+            if pages is None:
+                raise ValueError("kv_digest needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            results[step["name"]] = pages.digests(results[step["of"]][0]["blocks"][:step["blocks"]])
         elif op == "settle":
             settle(step["stats"], step.get("timeout", 30))
         elif op == "snapshot":
@@ -114,7 +161,7 @@ def main(plan_path: str, result_path: str) -> None:
         else:
             raise ValueError(f"unknown op {op!r}")
         Path(result_path).write_text(json.dumps(results, indent=1))
-    del llm
+    del llm, pages
     Path(result_path).write_text(json.dumps(results, indent=1))
 
 

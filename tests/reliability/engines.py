@@ -33,19 +33,22 @@ def tiny_model_work(tmp_path_factory, name: str) -> Path:
     return work
 
 
-def env(work: Path, name: str) -> dict[str, str]:
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the driver can read the engine's KV cache ("kv_digest")
+
+
+def env(work: Path, name: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "PYKV_STATS_FILE": str(work / f"{name}.stats")}
+            "PYKV_STATS_FILE": str(work / f"{name}.stats"), **(extra or {})}
 
 
 def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
-          engine: dict | None = None) -> tuple[subprocess.Popen, Path]:
+          engine: dict | None = None, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, str(DRIVER), str(work / f"{name}.plan.json"), str(out)],
-                            env=env(work, name), stdout=log, stderr=subprocess.STDOUT, cwd=work)
+                            env=env(work, name, extra_env), stdout=log, stderr=subprocess.STDOUT, cwd=work)
     return proc, out
 
 
@@ -69,6 +72,11 @@ def log_errors(work: Path, name: str) -> list[str]:
 
 def gen(name: str, prompt: list[int], max_tokens: int = 8) -> dict:
     return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": max_tokens}
+
+
+def kv_digest(name: str, of: str, blocks: int) -> dict:
+    """Digests of the first ``blocks`` engine blocks of step ``of``'s request (in-process engines)."""
+    return {"op": "kv_digest", "name": name, "of": of, "blocks": blocks}
 
 
 def settle(work: Path, engine: str) -> dict:
@@ -95,3 +103,46 @@ def ktc(root: Path, block_tokens: int = 256, **keys) -> dict:
 
 def counter(result: dict, snapshot: str, key: str, process: str = "worker0") -> int:
     return result[snapshot].get(process, {}).get(key, 0)
+
+
+# -- the same-path oracle ----------------------------------------------------------------------------
+REFERENCE_ENGINE = {"enable_prefix_caching": True}
+
+
+def reference_steps(sequence: list[tuple[str, list[int]]]) -> list[dict]:
+    """Steps for a reference engine (no connector, vLLM's own prefix cache on): each ``(name, prompt)``
+    in order, so a repeated prompt (or one sharing a prefix with an earlier one) hits vLLM's cache."""
+    return [gen(f"{name}#{i}", prompt) for i, (name, prompt) in enumerate(sequence)]
+
+
+class SamePath:
+    """The oracle for token comparisons: what a no-connector engine with vLLM's prefix cache produced
+    for the same prompt with exactly the same number of cached tokens (0: a cold prefill).
+
+    A random bf16 model's output after a prefix hit need not equal a cold prefill's, so a pykv hit
+    of H tokens is compared with a prefix-cache hit of H tokens: the same KV (computed by the same
+    cold prefill) and the same computation of the rest. Prompt lengths are chosen so both caches
+    hit the same length (pykv: whole storage blocks; vLLM: whole 32-token blocks)."""
+
+    def __init__(self, result: dict):
+        self.by_prompt: dict[str, dict[int, list[int]]] = {}
+        self.kv: dict[str, list[str]] = {}  # a prompt's KV block digests from its cold run, where a test reads them
+        for step, outputs in result.items():
+            if "#" not in step or not (isinstance(outputs, list) and outputs and isinstance(outputs[0], dict)):
+                continue
+            name, out = step.split("#")[0], outputs[0]
+            known = self.by_prompt.setdefault(name, {})
+            cached, got = out["num_cached_tokens"], out["tokens"]
+            assert known.setdefault(cached, got) == got, f"reference {name} at {cached} cached tokens differs from itself"
+
+    def at(self, name: str, cached: int) -> list[int]:
+        known = self.by_prompt.get(name, {})
+        assert cached in known, f"{name}: no reference run with {cached} cached tokens (has {sorted(known)})"
+        return known[cached]
+
+    def cold(self, name: str) -> list[int]:
+        return self.at(name, 0)
+
+    def same_path(self, name: str, output: dict) -> list[int]:
+        """The reference for ``output`` (a driver result entry): same prompt, same hit length."""
+        return self.at(name, output["num_cached_tokens"])
