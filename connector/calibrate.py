@@ -508,7 +508,7 @@ def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[
 # -- inside the engine process -------------------------------------------------------------------
 def _describe_engine(root: str | None) -> dict[str, Any]:
     import vllm
-    from vllm.platforms import current_platform
+    from pykv.connector.compat import current_platform
 
     from pykv.tree import NAMESPACE_FILE, KVTree
 
@@ -553,7 +553,7 @@ def _settle(stats: str, timeout: float) -> bool:
 
 def engine_main(plan_path: str, events_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
-    from vllm import LLM, SamplingParams
+    from pykv.connector.compat import LLM, SamplingParams
 
     out = open(events_path, "a", buffering=1)
 

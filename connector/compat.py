@@ -8,13 +8,26 @@ directly, so a new vLLM release means reading and editing this one file.
 | ``OffloadingEvent.medium`` str vs enum  | 26 / 27+  | ``STORAGE_MEDIUM``             |
 | ``OffloadPolicy`` default member name   | 26-29/30+ | ``DEFAULT_OFFLOAD_POLICY``     |
 | ``block_ids`` int64 vs int32            | 26-29/30+ | ``block_ids()`` (always int64) |
-| ``submit_load(..., expedited=)``        | 33        | worker signature has it        |
+| ``submit_load(..., expedited=)``        | 33        | worker: ahead of regular loads |
+| sync loads (``sync_load_budget_bytes``) | 33        | refused: ``sync_load_budget()``|
+|   (``_load_jobs`` holds None for them)  |           | ``load_job_requests()``        |
+| ``OffloadingManager.on_reset_flushed``  | 33 / 26-32| 32-: ``ResetFence`` backport   |
+| ``get_load_source`` (hit's tier)        | 32, 33    | manager answers HOST / DISK    |
+| ``config_info`` / ``config_info_keys``  | 33        | spec + manager fill them       |
+| block errors with >1 KV cache group     | 31+       | ``kv_cache_group_count()``:    |
+|   (``RuntimeError``; vLLM counts ALL)   |           | request-level reports instead  |
 | ``OffloadingManager.lock``              | 33        | base default (no-op) is right: |
 |                                         |           | our manager has no thread      |
 | ``get_transfer_results``/failed_recving | 30+       | ``HAS_TRANSFER_RESULTS``       |
 | ``kv_cache_layout`` in OffloadingConfig | 29+       | ``kv_layout()``                |
 | cross-layer HND blocks on CUDA          | 26-28     | ``kv_layout()`` names it       |
 | ``group_idx`` meaning (index vs id)     | 26-29/30+ | opaque: part of the key bytes  |
+| private attributes pykv must read       | 26-33     | ``load_job_requests``,         |
+|   (``_load_jobs``, ``_kv_cache_config``,|           | ``kv_cache_group_count``,      |
+|   ``_connector_metadata``, ``_jobs``)   |           | ``bound_metadata``,            |
+|                                         |           | ``in_flight_jobs``             |
+| ``LLM``, ``SamplingParams``,            | 26-33     | lazy module attributes here    |
+|   ``current_platform``                  |           | (``compat.LLM`` ...)           |
 """
 
 from __future__ import annotations
@@ -51,6 +64,22 @@ from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 
 VLLM_VERSION: str = vllm.__version__
+
+# 33+: the scheduler calls ``on_reset_flushed`` once workers reported every job in flight at a reset.
+HAS_RESET_FLUSHED = hasattr(OffloadingManager, "on_reset_flushed")
+SYNC_LOAD_KEY = "sync_load_budget_bytes"
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's offline API (``LLM``, ``SamplingParams``) and ``current_platform``, imported on first
+    use: same names in 0.26 to 0.33, and too heavy to import with every connector process."""
+    if name in ("LLM", "SamplingParams"):
+        import vllm as api
+        return getattr(api, name)
+    if name == "current_platform":
+        from vllm.platforms import current_platform
+        return current_platform
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _minor(version: str) -> int:
@@ -108,6 +137,59 @@ def kv_layout(config: OffloadingConfig) -> str:
 def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
     """Identifier of each offloaded group as it appears in offload keys."""
     return tuple(getattr(g, "group_id", i) for i, g in enumerate(config.groups))
+
+
+def sync_load_budget(vllm_config: Any) -> Any:
+    """``kv_connector_extra_config.sync_load_budget_bytes`` as given (0 when absent).
+
+    33+ load hits within this many bytes per step synchronously (the request runs in the
+    same step, ``_load_jobs`` maps the job to None). 33 can only fail a request that still
+    waits to receive, so a failed sync load cannot be reported: pykv refuses the key.
+    """
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    return extra.get(SYNC_LOAD_KEY, 0) or 0
+
+
+def kv_cache_group_count(connector: Any) -> int | None:
+    """How many KV cache groups vLLM's scheduler counts (ALL groups, offloaded or not), or None
+    where the connector was built without a ``KVCacheConfig``. 31+ raise ``RuntimeError`` on
+    block-level load errors when this is above one."""
+    config = getattr(connector, "_kv_cache_config", None)
+    groups = getattr(config, "kv_cache_groups", None)
+    return None if groups is None else len(groups)
+
+
+def bound_metadata(connector: Any) -> Any:
+    """The scheduler metadata bound to a worker-side connector for this step (0.26 to 0.33)."""
+    return getattr(connector, "_connector_metadata", None)
+
+
+def load_job_requests(connector_worker: Any) -> dict[int, str | None]:
+    """vLLM's in-flight load jobs: job id -> request id (a copy). 33 maps a sync load to None."""
+    return dict(getattr(connector_worker, "_load_jobs", None) or {})
+
+
+def scheduler_group_configs(connector_scheduler: Any) -> Any:
+    """The scheduler's per-group configs (``tokens_per_chunk``, ``hashes_per_chunk``, ``group_idx``)."""
+    return connector_scheduler.config.kv_group_configs
+
+
+def in_flight_jobs(connector_scheduler: Any) -> dict[int, int]:
+    """The scheduler's jobs in flight: job id -> worker reports still due (``pending_count``)."""
+    return {job_id: status.pending_count for job_id, status in getattr(connector_scheduler, "_jobs", {}).items()}
+
+
+def completed_jobs(worker_meta: Any) -> dict[int, int]:
+    """Job id -> workers that reported it done, from this step's (aggregated) worker metadata."""
+    return dict(getattr(worker_meta, "completed_jobs", None) or {})
+
+
+def cache_hit_source(tier: str | None) -> Any:
+    """vLLM's ``CacheHitSource`` for a pykv tier (``dram``: host memory, ``disk``)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    return {"dram": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(tier or "",
+                                                                         CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
 def load_failure_policy(vllm_config: Any) -> str:

@@ -7,9 +7,11 @@ asserts every transfer succeeded); this subclass adds one:
 
 - worker side: ``get_block_ids_with_load_errors`` drains the GPU blocks of failed
   loads from ``PykvWorker`` (vLLM recomputes from the first bad block); models with
-  several KV groups (where 0.31+ refuse block-level errors) report the request in
-  ``failed_recving`` instead (0.30+). ``build_connector_worker_meta`` piggybacks
-  the worker's ``WorkerReport`` (failed keys, store failures) on vLLM's metadata.
+  several KV cache groups (where 0.31+ raise ``RuntimeError`` on block-level errors,
+  counting every group of the model, offloaded or not) report the request in
+  ``failed_recving`` instead (0.30+), which makes vLLM recompute it from token 0.
+  ``build_connector_worker_meta`` piggybacks the worker's ``WorkerReport`` (failed
+  keys, store failures) on vLLM's metadata.
 - scheduler side: ``update_connector_output`` hands that report to ``PykvManager``
   before vLLM completes the jobs of the same step, so failed keys are forgotten
   before the request is looked up again.
@@ -25,8 +27,15 @@ metadata as ``PykvConnectorMetadata``; on the worker, ``start_load_kv`` first le
 vLLM submit this step's loads (which claim blocks already preloaded) and then
 hands the drops and new preloads to ``PykvWorker``.
 
+Cache resets: vLLM 0.33 tells the manager (``on_reset_flushed``) when the workers
+have finished every job in flight at ``reset_cache``; on older vLLM this connector
+does it (``ResetFence``), so DRAM slots those jobs use are never handed out early.
+
 It refuses to start unless ``kv_load_failure_policy`` is ``"recompute"``: with
-vLLM's default ``"fail"`` a corrupt cache file would fail the user's request.
+vLLM's default ``"fail"`` a corrupt cache file would fail the user's request. It
+also refuses ``sync_load_budget_bytes`` (vLLM 0.33's synchronous loads): 0.33 can
+only fail a load of a request still waiting for it, so a failed sync load would
+leave the request running on blocks that were never filled.
 """
 
 from __future__ import annotations
@@ -78,6 +87,38 @@ class PykvConnectorMetadata(OffloadingConnectorMetadata):
         return cls(**values, preloads=dict(preloads), released=tuple(released))
 
 
+class ResetFence:
+    """Jobs in flight at a cache reset whose worker reports are still due (vLLM before 0.33,
+    which does this itself and calls ``on_reset_flushed``): job id -> reports due."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, int] = {}
+
+    def add(self, jobs: dict[int, int]) -> None:
+        for job_id, count in jobs.items():
+            self.due[job_id] = self.due.get(job_id, 0) + count
+
+    def reported(self, completed: dict[int, int]) -> bool:
+        """Count these completions; True when this emptied the fence."""
+        if not self.due:
+            return False
+        for job_id, count in completed.items():
+            if job_id in self.due:
+                self.due[job_id] -= count
+                if self.due[job_id] <= 0:
+                    del self.due[job_id]
+        return not self.due
+
+
+def refuse_sync_loads(vllm_config: Any) -> None:
+    budget = compat.sync_load_budget(vllm_config)
+    if budget not in (0, "0"):
+        raise InputError(
+            f"kv_connector_extra_config.{compat.SYNC_LOAD_KEY}: pykv does not take synchronous loads yet "
+            f"(got {budget!r}); remove the key: vLLM cannot recompute a failed synchronous load, so a "
+            "damaged cache file would leave the request running on KV that was never loaded.")
+
+
 class PykvOffloadingConnector(OffloadingConnector):
     """See the module docstring."""
 
@@ -89,6 +130,8 @@ class PykvOffloadingConnector(OffloadingConnector):
                 "Set it in --kv-transfer-config (e.g. '{\"kv_load_failure_policy\": \"recompute\", ...}'; "
                 "`pykv config` prints a complete one) so that a damaged or vanished cache file makes vLLM "
                 "recompute those tokens instead of failing the request.")
+        refuse_sync_loads(vllm_config)
+        self._reset_fence = ResetFence()
         if kv_cache_config is None:
             super().__init__(vllm_config, role, **kwargs)
         else:
@@ -111,17 +154,24 @@ class PykvOffloadingConnector(OffloadingConnector):
         return worker if hasattr(worker, "take_report") else None
 
     def _request_level_failures(self) -> bool:
+        """Whether failed loads go to vLLM as requests (``failed_recving``), not blocks: when vLLM's
+        scheduler would refuse block errors, i.e. when the MODEL has several KV cache groups (vLLM
+        counts them all, whether pykv offloads them or not)."""
         worker = self._pykv_worker
-        return compat.HAS_TRANSFER_RESULTS and worker is not None and len(worker.layout.groups) > 1
+        if not compat.HAS_TRANSFER_RESULTS or worker is None:
+            return False
+        groups = compat.kv_cache_group_count(self)
+        return (groups if groups is not None else len(worker.layout.groups)) > 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        load_jobs = dict(getattr(self.connector_worker, "_load_jobs", {}) or {})
+        load_jobs = compat.load_job_requests(self.connector_worker) if self.connector_worker else {}
         sending, recving = super().get_finished(finished_req_ids)
         worker = self._pykv_worker
         if worker is not None and self._request_level_failures():
             for job_id in worker.take_failed_load_jobs():
-                if job_id in load_jobs:
-                    self._failed_load_requests.add(load_jobs[job_id])
+                req_id = load_jobs.get(job_id)
+                if req_id is not None:  # None: a sync load (refused at start, so never here)
+                    self._failed_load_requests.add(req_id)
         return sending, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -168,7 +218,7 @@ class PykvOffloadingConnector(OffloadingConnector):
         (``RequestOffloadState.update_offload_keys``): one key per full chunk."""
         return [(g, [compat.make_offload_key(h, g.group_idx)
                      for h in request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]])
-                for g in self.connector_scheduler.config.kv_group_configs]
+                for g in compat.scheduler_group_configs(self.connector_scheduler)]
 
     def request_block_keys(self, request: Any) -> list[bytes]:
         """The request's offload keys chunk by chunk; with several KV groups, chunk i of every
@@ -195,7 +245,7 @@ class PykvOffloadingConnector(OffloadingConnector):
     # -- preloading: worker side ------------------------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)  # this step's loads claim what is preloaded
-        meta = self._connector_metadata
+        meta = compat.bound_metadata(self)
         worker = self._pykv_worker
         if isinstance(meta, PykvConnectorMetadata) and worker is not None:
             worker.release_preloads(meta.released)
@@ -204,8 +254,21 @@ class PykvOffloadingConnector(OffloadingConnector):
     # -- scheduler side: worker feedback -------------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, PykvWorkerMetadata) and meta.report and self.connector_scheduler is not None:
-            manager = self.connector_scheduler.manager
-            if hasattr(manager, "on_worker_report"):
-                manager.on_worker_report(meta.report)
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if isinstance(meta, PykvWorkerMetadata) and meta.report and hasattr(manager, "on_worker_report"):
+            manager.on_worker_report(meta.report)
         super().update_connector_output(connector_output)
+        if self._reset_fence.reported(compat.completed_jobs(meta)) and hasattr(manager, "on_reset_flushed"):
+            manager.on_reset_flushed()
+
+    def reset_cache(self) -> Any:
+        """(Before 0.33) fence the jobs in flight: the manager learns when they are all reported."""
+        if compat.HAS_RESET_FLUSHED or self.connector_scheduler is None:
+            return super().reset_cache()
+        in_flight = compat.in_flight_jobs(self.connector_scheduler)
+        result = super().reset_cache()
+        self._reset_fence.add(in_flight)
+        manager = self.connector_scheduler.manager
+        if not self._reset_fence.due and hasattr(manager, "on_reset_flushed"):
+            manager.on_reset_flushed()
+        return result

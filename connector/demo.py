@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the JSON result goes")
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from pykv.connector.compat import LLM, SamplingParams
 
     from pykv.connector import compat
     from pykv.connector.config import PykvConfig

@@ -17,6 +17,14 @@ vLLM, as soon as the blocks are in those slots; ``complete_store`` then makes th
 DRAM hits at once, and keeps each slot pinned while the worker still writes the
 file from it, until the worker's ``stores_ended`` says the write is over (either
 message may come first).
+
+Cache reset (``reset_cache``): the DRAM tier is forgotten at once, but a slot that a
+transfer in flight still writes or reads (a pending store or promotion, a DRAM hit
+being copied, an early-released write) stays taken, invalidated, until the workers
+are done with it: until ``on_reset_flushed`` (vLLM reports every job in flight at
+the reset finished; 33+, and pykv's connector backports it to older vLLM) and, for
+a slot a file is still written from, the worker's ``stores_ended``. A fenced key is
+neither stored nor promoted again meanwhile, so each end report names one transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Collection
+from typing import Any, Collection
 
 from pykv.calibration import BreakEvenGate
 from pykv.preload import PreloadPlan, PreloadPlanner
@@ -67,6 +75,8 @@ class PykvManager(OffloadingManager):
         self._writing: set[bytes] = set()  # committed DRAM entries whose file a worker still writes from the slot
         self._ended: set[bytes] = set()  # writes reported ended before vLLM completed their store
         self._drop_when_written: set[bytes] = set()  # invalidated while written: dropped when the write ends
+        self._reset_fenced: set[bytes] = set()  # in flight at a cache reset: dropped at on_reset_flushed
+        self._load_tiers: tuple[str | None, dict[bytes, str]] = (None, {})  # the last prepare_load's tiers
         self._stores_paused_until = 0.0
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
@@ -121,7 +131,7 @@ class PykvManager(OffloadingManager):
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
         """DRAM hits are pinned and served from their slot; disk hits get their atime stamped
         (gc recency) and, with a DRAM tier, a pending slot to be promoted into."""
-        slots, resident = [], []
+        slots, resident, tiers = [], [], {}
         for key in keys:
             slot = self.dram.lookup(key)
             if slot is not None:
@@ -129,16 +139,27 @@ class PykvManager(OffloadingManager):
                 self.dram.touch([key])
                 slots.append(slot)
                 resident.append(True)
+                tiers[key] = "dram"
                 self.counters[Metric.HITS_DRAM] += 1
                 continue
+            tiers[key] = "disk"
             self.tree.touch(self.tree.block_path(self.namespace.id, key))
             self.counters[Metric.HITS_DISK] += 1
             slot = self._promotion_slot(key)
             slots.append(slot)
             resident.append(False)
         self._preload_done(req_context.req_id)
+        self._load_tiers = (req_context.req_id, tiers)
         self._write_stats()
         return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
+
+    def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
+        """The tier a hit is loaded from (vLLM labels the request's cached tokens with it): host
+        memory for a DRAM hit, disk for a file (as ``prepare_load`` found it, which vLLM has
+        just called for this request)."""
+        req_id, tiers = self._load_tiers
+        tier = tiers.get(key) if req_id == req_context.req_id else None
+        return compat.cache_hit_source(tier or self._tier_of(key))
 
     def _promotion_slot(self, key: bytes) -> int:
         if self.dram.capacity == 0 or key in self.dram:
@@ -159,7 +180,7 @@ class PykvManager(OffloadingManager):
         """Unpin; promotions become valid (a failed one was dropped by ``on_worker_report``)."""
         for key in keys:
             entry = self.dram.entry(key)
-            if entry is not None:
+            if entry is not None and key not in self._reset_fenced:  # fenced: a pre-reset transfer's entry
                 self.dram.unpin(key)
                 if key not in self._drop_when_written:  # forgotten while still written: stays a miss
                     self.dram.commit(key)
@@ -179,6 +200,7 @@ class PykvManager(OffloadingManager):
         to_store, slots = [], []
         for key in keys:
             if key in self._pending_stores or key in self.dram or self.tree.contains(self.namespace.id, key):
+                # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
                 self.counters[Metric.STORE_SKIPPED] += 1
                 continue
             self._pending_stores.add(key)
@@ -220,7 +242,8 @@ class PykvManager(OffloadingManager):
             self.dram.unpin(key)
             if key in self._drop_when_written:
                 self._drop_when_written.discard(key)
-                self.dram.drop(key)
+                if key not in self._reset_fenced:
+                    self.dram.drop(key)
         elif key in self._pending_stores:  # vLLM has not completed the store yet
             self._ended.add(key)
 
@@ -234,7 +257,9 @@ class PykvManager(OffloadingManager):
             self._release_write(key)
         for key, dram_ok in report.failed_stores:
             self.counters[Metric.STORE_FAILURES] += 1
-            if not dram_ok:
+            if not dram_ok and key in self._reset_fenced:
+                self._writing.discard(key)  # that store is over: its slot waits for the flush only
+            elif not dram_ok:
                 self._forget(key)
         if report.store_error and self._clock() >= self._stores_paused_until:
             self._stores_paused_until = self._clock() + self.pykv.store_retry_interval
@@ -244,7 +269,9 @@ class PykvManager(OffloadingManager):
 
     def _forget(self, key: bytes) -> None:
         """Drop ``key``'s DRAM entry; one a worker still writes from misses from now on and
-        keeps its slot until that write ends."""
+        keeps its slot until that write ends (one fenced by a reset is already a miss)."""
+        if key in self._reset_fenced:
+            return
         if key in self._writing:
             self.dram.invalidate(key)
             self._drop_when_written.add(key)
@@ -285,11 +312,33 @@ class PykvManager(OffloadingManager):
         return RequestOffloadingContext(policy=compat.DEFAULT_OFFLOAD_POLICY)
 
     def reset_cache(self) -> None:
-        """Forget the DRAM tier, except slots workers still write from (dropped when written)."""
-        self.dram.clear(keep=self._writing)
+        """Forget the DRAM tier. Slots a transfer in flight still uses stay taken (misses) until
+        ``on_reset_flushed``; slots a file is still written from, also until that write ends."""
+        in_flight = set(self.dram.in_use())
+        if self.early_release:  # a pending store's write may go on after vLLM's job ends
+            self._writing |= {k for k in self._pending_stores if k in in_flight and k not in self._ended}
+        self._reset_fenced |= in_flight
+        self.dram.clear(keep=in_flight | self._writing)
         self._drop_when_written = set(self._writing)
         self._pending_stores.clear()
         self._ended.clear()
+        self._load_tiers = (None, {})
+
+    def on_reset_flushed(self) -> None:
+        """(vLLM 33+; pykv's connector on older vLLM.) Workers finished every job in flight at the
+        last reset: free the slots those jobs used, except slots a file is still written from."""
+        fenced, self._reset_fenced = self._reset_fenced, set()
+        for key in fenced:
+            if key not in self._writing:
+                self.dram.drop(key)
+        self._write_stats()
+
+    def config_info(self) -> list[dict[str, Any]]:
+        """(vLLM 33+.) Static facts for ``vllm:kv_offload_config_info``; keys: ``CONFIG_INFO_KEYS``."""
+        return [{"pykv_root": str(self.pykv.root), "pykv_namespace": self.namespace.id,
+                 "pykv_dram_slots": self.dram.capacity, "pykv_dram_policy": self.pykv.dram_policy,
+                 "pykv_io_engine": str(self.pykv.io_engine), "pykv_verify": str(self.pykv.verify),
+                 "pykv_store": bool(self.pykv.store), "pykv_preload": bool(self.pykv.preload)}]
 
     def get_stats(self):
         """pykv's counters since the last call, as vLLM ``OffloadingConnectorStats``."""

@@ -93,6 +93,10 @@ METRIC_DOCS = {
 }
 
 
+CONFIG_INFO_KEYS = ("pykv_root", "pykv_namespace", "pykv_dram_slots", "pykv_dram_policy", "pykv_io_engine",
+                    "pykv_verify", "pykv_store", "pykv_preload")
+
+
 def export_counters_at_zero(prom_metrics: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
     """Bind every pykv counter for every engine on vLLM's ``OffloadPromMetrics`` so ``/metrics``
     shows it at 0 from the start (a labelled Prometheus counter is absent until first bound).
@@ -114,6 +118,11 @@ class PykvSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return {name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRIC_DOCS.items()}
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """(vLLM 33+.) Labels of ``vllm:kv_offload_config_info``; ``PykvManager.config_info`` fills them."""
+        return CONFIG_INFO_KEYS
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)

@@ -204,7 +204,7 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
 
     ``tree``: the tree to check for present blocks (default: the engine's own; a dry run
     passes the real tree, read only, or None when it does not exist)."""
-    from vllm import SamplingParams
+    from pykv.connector.compat import SamplingParams
     started = time.monotonic()
     report = progress or (lambda phase, done, total: None)
     manager = engine_manager(llm)
@@ -353,7 +353,7 @@ def run_warm(plan: WarmPlan, *, progress: Progress | None = None, python: str = 
 def run_plan(plan: WarmPlan, progress_path: Path | None, work: Path) -> dict[str, Any]:
     """(In the engine process) start the engine the plan describes and warm its prompts
     (``work``: the run's own directory, for a dry run's scratch tree)."""
-    from vllm import LLM
+    from pykv.connector.compat import LLM
     from pykv.connector.config import PykvConfig
     from pykv.connector.serve import engine_kwargs, with_platform_defaults
     from pykv.tree import MARKER_NAME, KVTree

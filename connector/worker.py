@@ -6,6 +6,9 @@ blocks each, the first one possibly partial on loads), each chunk becomes a
 ``LoadBlock``/``StoreBlock`` with its file path, and the reactor's ``fill`` /
 ``deliver`` callbacks hand slots to the copier.
 
+Expedited loads (vLLM 0.33 ``submit_load(..., expedited=True)``, waited on within the
+step) go ahead of all other reactor work (``Reactor.submit_load(urgent=True)``).
+
 Failure semantics (vLLM asserts ``TransferResult.success`` in every version):
 every job is reported with ``success=True``; a load's failed chunk and every
 later chunk of the job go to ``get_block_ids_with_load_errors`` (vLLM then
@@ -156,12 +159,14 @@ class PykvWorker(OffloadingWorker):
         self.counters["load_jobs"] += 1
         owner = getattr(src_spec, "req_id", None)
         resident = [i for i, c in enumerate(chunks) if c.resident]
+        if expedited:
+            self.counters["load_jobs_expedited"] += 1
         if not resident:
-            self._start(job, blocks, owner=owner)
+            self._start(job, blocks, owner=owner, urgent=expedited)
         elif len(resident) == len(chunks):
             self._load_resident(job, blocks)
         else:
-            self._load_split(job, blocks, resident, owner)
+            self._load_split(job, blocks, resident, owner, urgent=expedited)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: PykvStoreSpec) -> bool:
@@ -281,11 +286,11 @@ class PykvWorker(OffloadingWorker):
     def _slot_args(chunk: _Chunk) -> dict:
         return {} if chunk.slot is None else {"slot": chunk.slot, "resident": chunk.resident}
 
-    def _start(self, job: _Job, blocks: list, owner: str | None = None) -> None:
+    def _start(self, job: _Job, blocks: list, owner: str | None = None, urgent: bool = False) -> None:
         with self._lock:
             self._jobs[job.job_id] = job
         if job.is_load:
-            self.reactor.submit_load(job.job_id, blocks, owner=owner)
+            self.reactor.submit_load(job.job_id, blocks, owner=owner, urgent=urgent)
         else:
             self.reactor.submit_store(job.job_id, blocks)
 
@@ -298,7 +303,8 @@ class PykvWorker(OffloadingWorker):
             self._lock.notify_all()
 
     # -- DRAM-tier loads (engine thread) ----------------------------------------------------------
-    def _load_split(self, job: _Job, blocks: list[LoadBlock], resident: list[int], owner: str | None) -> None:
+    def _load_split(self, job: _Job, blocks: list[LoadBlock], resident: list[int], owner: str | None,
+                    urgent: bool = False) -> None:
         """A load with blocks in the DRAM tier and blocks on disk: the DRAM part is copied at
         once (``_load_resident``), the disk part goes through the reactor; the job ends when
         both parts have (``_part_done``). Through the reactor, the DRAM blocks would wait for
@@ -313,7 +319,7 @@ class PykvWorker(OffloadingWorker):
             parts[name] = _Job((name, job.job_id), True, [job.chunks[i] for i in indices], job.started,
                                ready=job.ready, parent=job, indices=indices)
         self._load_resident(parts["dram"], [blocks[i] for i in resident])
-        self._start(parts["disk"], [blocks[i] for i in on_disk], owner=owner)
+        self._start(parts["disk"], [blocks[i] for i in on_disk], owner=owner, urgent=urgent)
 
     def _part_done(self, part: _Job, result: JobResult) -> None:
         """One part of a split load ended: fold it into its job; the last one ends the job."""

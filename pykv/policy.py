@@ -15,7 +15,9 @@ Rules:
   loads opening or opened and waiting; slots come from the ``SlotLedger`` only,
   so a request larger than the pool proceeds slot by slot.
 - Priority when granting I/O and slots: ready demand reads (opened loads), then
-  new demand loads and stores, then speculative preloads.
+  new demand loads and stores, then speculative preloads. Within each class,
+  FIFO, except that ``urgent`` transfers (an expedited load the engine waits on
+  within its step) go ahead of every other one.
 - Preloads (speculative reads for requests still waiting; paper section 6.5):
   at most one speculative preload opens or reads at a time; it takes a slot only
   while more than ``io_depth`` slots stay free (the foreground keeps as many
@@ -215,6 +217,7 @@ class ReactorPolicy:
     _transfers: dict[int, Transfer] = field(default_factory=dict)
     _index: StageIndex = field(default_factory=StageIndex)
     _order: itertools.count = field(default_factory=itertools.count)
+    _urgent_order: itertools.count = field(default_factory=lambda: itertools.count(-(1 << 62)))
     _pending: list[Action] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -224,13 +227,17 @@ class ReactorPolicy:
             raise ValueError("max_speculative must be >= 0")
 
     # -- events ------------------------------------------------------------------------------
-    def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, resident: bool = False) -> None:
+    def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, resident: bool = False,
+            urgent: bool = False) -> None:
         """A new transfer (FIFO within its class).
 
         ``slot``: a slot its caller owns (a DRAM-tier slot); the transfer uses it instead of
         taking one from the ledger and never releases it. ``resident``: a load whose bytes
-        already sit in ``slot``; it is ready at once and does no I/O.
+        already sit in ``slot``; it is ready at once and does no I/O. ``urgent`` (a load):
+        ahead of every transfer that is not urgent, FIFO among urgent ones.
         """
+        if urgent and kind is not Kind.LOAD:
+            raise ValueError("only a load can be urgent")
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id} already exists")
         if resident and (slot is None or kind is Kind.STORE):
@@ -238,7 +245,8 @@ class ReactorPolicy:
         if kind is Kind.PRELOAD and slot is not None:
             raise ValueError("a preload reads into a staging slot of the ledger, never a caller's slot")
         stage = Stage.READY if resident else Stage.QUEUED
-        self._track(Transfer(transfer_id, kind, stage, slot, next(self._order)))
+        order = next(self._urgent_order if urgent else self._order)
+        self._track(Transfer(transfer_id, kind, stage, slot, order))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)

@@ -236,10 +236,12 @@ class Reactor:
         self._thread.start()
 
     # -- client API (any thread) -----------------------------------------------------------
-    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, owner: Hashable | None = None) -> None:
+    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, owner: Hashable | None = None,
+                    urgent: bool = False) -> None:
         """Load ``blocks``; a block being preloaded is served by its preload (one read).
-        ``owner``: the request the job belongs to; its interest in those preloads ends."""
-        self._post(lambda: self._add_job(job, Kind.LOAD, blocks, owner=owner))
+        ``owner``: the request the job belongs to; its interest in those preloads ends.
+        ``urgent``: the caller waits for it now: its blocks go ahead of all other work."""
+        self._post(lambda: self._add_job(job, Kind.LOAD, blocks, owner=owner, urgent=urgent))
 
     def submit_preload(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
         """Read ``blocks`` ahead into staging slots for ``owner`` (a request still waiting).
@@ -314,7 +316,7 @@ class Reactor:
                 self._complete(completion)
 
     def _add_job(self, job: object, kind: Kind, blocks: Sequence[LoadBlock | StoreBlock],
-                 owner: Hashable | None = None) -> None:
+                 owner: Hashable | None = None, urgent: bool = False) -> None:
         state = _Job(JobResult(job, kind, len(blocks)), len(blocks), time.monotonic())
         if not blocks:
             self._finish_job(state)
@@ -324,7 +326,7 @@ class Reactor:
             if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
                 continue
             resident = isinstance(block, LoadBlock) and block.resident
-            self.policy.add(self._next_id, kind, slot=block.slot, resident=resident)
+            self.policy.add(self._next_id, kind, slot=block.slot, resident=resident, urgent=urgent)
 
     # -- preloads --------------------------------------------------------------------------------
     def _add_preloads(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:

@@ -225,6 +225,10 @@ class DramIndex:
             if entry is not None and entry.valid:
                 self._policy.hit(key)
 
+    def in_use(self) -> list[Key]:
+        """Keys whose slot a transfer may still use: pinned or pending entries."""
+        return [key for key, entry in self._entries.items() if entry.pins or not entry.valid]
+
     def take_evicted(self) -> list[Key]:
         evicted, self._evicted = self._evicted, []
         return evicted
