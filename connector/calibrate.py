@@ -507,8 +507,8 @@ def _assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[
 
 # -- inside the engine process -------------------------------------------------------------------
 def _describe_engine(root: str | None) -> dict[str, Any]:
-    import vllm
-    from pykv.connector.compat import current_platform
+    from pykv.connector.compat import VLLM_VERSION, current_platform
+    from pykv.io.safe_paths import read_small
 
     from pykv.tree import NAMESPACE_FILE, KVTree
 
@@ -519,10 +519,10 @@ def _describe_engine(root: str | None) -> dict[str, Any]:
     if gpu == "cpu":
         gpu = "cpu: " + next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                               if line.startswith("model name")), "unknown")
-    info: dict[str, Any] = {"vllm_version": vllm.__version__, "gpu": gpu}
+    info: dict[str, Any] = {"vllm_version": VLLM_VERSION, "gpu": gpu}
     if root:
         for directory in KVTree.open(root).namespaces():
-            data = json.loads((directory / NAMESPACE_FILE).read_text())
+            data = json.loads(read_small(directory / NAMESPACE_FILE))
             if str(data.get("extra", {}).get("rank", "0")) == "0":
                 info["namespace"] = data
     return info

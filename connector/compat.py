@@ -192,6 +192,47 @@ def cache_hit_source(tier: str | None) -> Any:
                                                                          CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
+def hash_fn_by_name(algo: str) -> Any:
+    """vLLM's prefix-caching hash function named ``algo`` (``sha256``, ``xxhash`` ...)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    return get_hash_fn_by_name(algo)
+
+
+def default_none_hash_seed(algo: str) -> str | None:
+    """The seed ``init_none_hash`` takes when ``PYTHONHASHSEED`` is unset, or None where vLLM then
+    draws a random ``NONE_HASH`` per process (non-cryptographic hashes, and versions without a default)."""
+    from vllm.v1.core import kv_cache_utils
+    default = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
+    non_crypto = getattr(kv_cache_utils, "_NON_CRYPTO_HASH_FUNCTIONS", None)
+    if default is None or non_crypto is None or hash_fn_by_name(algo) in non_crypto:
+        return None
+    return default
+
+
+def current_vllm_config() -> Any:
+    """The ``VllmConfig`` of the engine being built in this process, or None."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - a vLLM without it
+        return None
+    return get_current_vllm_config_or_none()
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+    return bool(current_platform.is_cpu())
+
+
+def engine_args_parser() -> tuple[Any, Any]:
+    """(``EngineArgs``, a parser with every engine flag) as ``vllm serve`` builds them."""
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM before the utils split
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+    return EngineArgs, EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm", exit_on_error=False))
+
+
 def load_failure_policy(vllm_config: Any) -> str:
     """``kv_transfer_config.kv_load_failure_policy`` (``"fail"`` is vLLM's default everywhere)."""
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)

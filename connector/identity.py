@@ -94,13 +94,8 @@ def _resolved_seed(algo: str) -> str | None:
     seed = os.environ.get(SEED_ENV)
     if seed is not None:
         return seed
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-    default = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
-    non_crypto = getattr(kv_cache_utils, "_NON_CRYPTO_HASH_FUNCTIONS", None)
-    if default is None or non_crypto is None or get_hash_fn_by_name(algo) in non_crypto:
-        return None
-    return default
+    from pykv.connector import compat
+    return compat.default_none_hash_seed(algo)
 
 
 def hash_seed_fingerprint(algo: str, engine_id: str) -> str:
@@ -109,17 +104,14 @@ def hash_seed_fingerprint(algo: str, engine_id: str) -> str:
     seed = _resolved_seed(algo)
     if seed is None:
         return f"random:{engine_id}"
-    from vllm.utils.hashing import get_hash_fn_by_name
-    return xxhash.xxh3_64_hexdigest(get_hash_fn_by_name(algo)(seed))
+    from pykv.connector import compat
+    return xxhash.xxh3_64_hexdigest(compat.hash_fn_by_name(algo)(seed))
 
 
 def current_engine_settings() -> tuple[str, str | None]:
     """(prefix-caching hash algorithm, model revision) of the engine being built in this process."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-        config = get_current_vllm_config_or_none()
-    except ImportError:
-        config = None
+    from pykv.connector import compat
+    config = compat.current_vllm_config()
     if config is None:
         return "sha256", None
     return (getattr(config.cache_config, "prefix_caching_hash_algo", "sha256"),

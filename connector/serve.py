@@ -51,8 +51,8 @@ def with_platform_defaults(vllm_args: Sequence[str]) -> list[str]:
     args = list(vllm_args)
     if any(a.split("=", 1)[0] in (MEMORY_FLAG, "--gpu_memory_utilization") for a in args):
         return args
-    from vllm.platforms import current_platform
-    return [MEMORY_FLAG, CPU_MEMORY_FRACTION, *args] if current_platform.is_cpu() else args
+    from pykv.connector import compat
+    return [MEMORY_FLAG, CPU_MEMORY_FRACTION, *args] if compat.is_cpu_platform() else args
 
 
 def engine_env(environ: dict[str, str] | None = None) -> tuple[dict[str, str], bool]:
@@ -78,13 +78,8 @@ def server_command(model: str, kv_transfer_config: dict[str, Any], vllm_args: Se
 def engine_kwargs(model: str, vllm_args: Sequence[str]) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments for the same flags a server would get (those that differ
     from vLLM's defaults). Needs vLLM; a flag vLLM does not know is one ``InputError`` line."""
-    from vllm.engine.arg_utils import EngineArgs
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # vLLM before the utils split
-        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm", exit_on_error=False))
+    from pykv.connector import compat
+    EngineArgs, parser = compat.engine_args_parser()
     try:
         parsed, unknown = parser.parse_known_args(["--model", model, *check_vllm_args(vllm_args)])
     except (Exception, SystemExit) as exc:  # argparse errors and vLLM's own value checks

@@ -496,13 +496,10 @@ class PykvWorker(OffloadingWorker):
             log.warning("pykv: %s: %s; moved to %s", path, reason, target)
         except FileNotFoundError:
             return
-        except OSError as exc:
-            try:
-                os.unlink(path)
-                log.warning("pykv: %s: %s; removed (quarantine failed: %s)", path, reason, exc.strerror)
-            except OSError:
-                log.warning("pykv: %s: %s; cannot quarantine or remove it", path, reason)
-                return
+        except OSError as exc:  # e.g. a planted link at .pykv: never fall back to deleting what may not be ours
+            log.warning("pykv: %s: %s; left in place, quarantine failed (%s); `pykv fsck` reports it", path,
+                        reason, exc.strerror or exc)
+            return
         self.counters["quarantined"] += 1
 
     def _pause_stores(self, reason: str) -> None:

@@ -431,3 +431,29 @@ def test_a_reader_instance_loads_what_a_writer_stored_and_stores_nothing(rig):
     reader_worker.submit_load(2, reader.prepare_load(stored, ctx), GPULoadStoreSpec(list(range(20, 28)), [8], [0]))
     assert not run(reader_worker, 2)[0]
     assert all(bool((layer[20:28] == 5).all()) for layer in reader_kv)
+
+
+def test_a_corrupt_block_is_left_in_place_when_a_planted_link_blocks_its_quarantine(rig, tmp_path):
+    """A symlinked ``.pykv/quarantine`` makes the quarantine fail; the worker must neither follow the
+    link nor fall back to deleting the file (it may not be pykv's): the load still fails cleanly."""
+    manager, worker, kv = rig()
+    ctx = ReqContext("r")
+    ks = keys(2, salt=7)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ctx).store_spec)
+    run(worker, 1)
+    path = worker.tree.block_path(worker.namespace.id, ks[0])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff\xfe")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    quarantine = worker.tree.state_dir / "quarantine"
+    quarantine.parent.mkdir(exist_ok=True)
+    if quarantine.exists():
+        quarantine.rmdir()
+    quarantine.symlink_to(outside)
+    worker.submit_load(2, manager.prepare_load(ks, ctx), GPULoadStoreSpec(list(range(20, 28)), [8], [0]))
+    failed, report = run(worker, 2)
+    assert failed == set(range(20, 28)) and report.failed_loads == [ks[0]]
+    assert path.exists() and worker.counters["quarantined"] == 0
+    assert list(outside.iterdir()) == []
