@@ -118,7 +118,8 @@ def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: st
 class PykvConfig:
     """pykv's settings; build with ``PykvConfig.from_extra_config``."""
 
-    root: str = _key(_root, "", "Directory of the pykv tree (created if missing). Required.", "path")
+    root: str = _key(_root, "", "Directory of the pykv tree: created if missing, used if empty or a tree; "
+                     "a directory holding other files is refused (make it a tree with `pykv init`). Required.", "path")
     staging_bytes: int = _key(_size, "1G", "Transient staging memory per worker (slots for disk I/O).", "size")
     io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker.", "int")
     open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads.", "int")
