@@ -53,7 +53,8 @@ def namespace_for(config: OffloadingConfig, rank: int) -> Namespace:
         "world_size": parallel.world_size,
         "rank": rank,
     }
-    return Namespace(model=model_identity(config.model.name, revision), label=config.model.name, dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
+    return Namespace(model=model_identity(config.model.name, revision), label=config.model.name,
+                     dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
                      tokens_per_block=tokens_per_chunk(config), tp_size=tp_size, tp_rank=rank % tp_size,
                      pp_rank=(rank // tp_size) % max(parallel.pp_size, 1), extra=tuple(extra.items()))
 
