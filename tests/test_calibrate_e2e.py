@@ -237,7 +237,9 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
     data = json.loads(out.read_text())
     calibration = Calibration.load(out)
     assert data["pykv_calibration"] == 1
-    assert (calibration.model, calibration.kv_layout) == (str(model), "LBHNC/v29+")
+    from pykv.connector.identity import model_identity
+    # the calibration names the model as its namespace does: by content, not by path
+    assert (calibration.model, calibration.kv_layout) == (model_identity(str(model)), "LBHNC/v29+")
     assert calibration.dtype and len(calibration.namespace) == 32
     assert calibration.gpu.startswith("cpu") and calibration.vllm_version.startswith("0.")
     assert data["medium"]["path"] == str(root) and data["medium"]["read_gb_per_s"] > 0
@@ -299,7 +301,9 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
 
     from pykv.connector.config import PykvConfig
 
-    cal = Calibration(model=str(model), dtype="bfloat16", kv_layout="LBHNC/v29+",
+    from pykv.connector.identity import model_identity
+
+    cal = Calibration(model=model_identity(str(model)), dtype="bfloat16", kv_layout="LBHNC/v29+",
                       tiers={"disk": TierCalibration(600), "dram": TierCalibration(0)})
     path = cal.save(tmp_path / "cal.json")
     root, stats = tmp_path / "tree", str(tmp_path / "gate.stats")
