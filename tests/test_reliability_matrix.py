@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import stat
 from pathlib import Path
@@ -29,6 +28,7 @@ from pykv.commands.app import app
 from pykv.format import Geometry
 from pykv.tree import KVTree
 
+from reliability.deadline import deadline
 from reliability.rig import NS, Rig, key_of, payload_of
 
 GEOMETRY = Geometry(tokens=256, segments=1, segment_bytes=8192)
@@ -52,17 +52,6 @@ COMMANDS = [["inspect"], ["gc", "--max-size", "0", "--min-age", "0"], ["fsck", "
             ["fsck", "--repair", "--grace", "0"], ["inspect", "--no-catalog"]]
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    def expired(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds}s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def plant(path: Path, kind: str, outside: Path) -> list[int]:

@@ -8,11 +8,9 @@ docs/reliability.md). The adversarial matrix over places x kinds x names is in
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import time
@@ -30,24 +28,13 @@ from pykv.maintenance import fsck, inspect_tree, repair, run_gc
 from pykv.maintenance.catalog import Catalog
 from pykv.tree import MARKER_NAME, NAMESPACE_FILE, KVTree
 
+from reliability.deadline import deadline
 from reliability.rig import NS, Rig, key_of, payload_of
 
 GEOMETRY = Geometry(tokens=256, segments=2, segment_bytes=6000)
 OLD_NS = 1_000_000_000 * 10**9  # 2001
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail (instead of hanging forever) when the body blocks longer than ``seconds``."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds}s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def run(*argv: object):
