@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -144,7 +143,7 @@ def test_pykv_init_adopts_a_directory_and_fsck_repair_moves_never_deletes(tmp_pa
     assert (quarantine / "notes" / "a.txt").read_text() == "a"
     assert (quarantine / "x.kv.tmp.mine").exists()
     assert "deleted 0 stale temps" in result.stdout and "moved 3 entries" in result.stdout
-    assert f"moved    thesis.tex" in result.stdout
+    assert "moved    thesis.tex" in result.stdout
 
 
 def test_a_stale_temp_hard_linked_from_outside_is_moved_not_deleted(tmp_path):
