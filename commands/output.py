@@ -200,4 +200,5 @@ def check_new_root(root: Path) -> None:
     if (root / MARKER_NAME).exists():
         KVTree.open(root)  # raises NotATreeError for a marker it cannot use
     elif any(entry.name not in ROOT_EXEMPT for entry in root.iterdir()):
-        raise InputError(f"--root: {root} is not a pykv tree and not empty")
+        raise InputError(f"--root: {root} is not a pykv tree and not empty; give a new or empty directory, "
+                         f"or make this one a tree with `pykv init {root}`")
