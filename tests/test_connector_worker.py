@@ -108,16 +108,24 @@ def test_store_then_load_round_trip_with_partial_first_chunk(rig):
     assert worker.counters["load_blocks_disk"] == 3
 
 
+def store_then_corrupt(manager, worker, ks: list[bytes], ctx, index: int):
+    """Store ``ks`` (4 GPU blocks each) through the worker, then flip payload bytes of block ``index``."""
+    blocks = 4 * len(ks)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
+                        manager.prepare_store(ks, ctx).store_spec)
+    run(worker, 1)
+    path = worker.tree.block_path(worker.namespace.id, ks[index])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff\xfe")
+    return path
+
+
 def test_corrupt_file_fails_that_chunk_and_later_ones_and_is_quarantined(rig):
     manager, worker, kv = rig()
     ctx = ReqContext("r")
     ks = keys(3, salt=1)
-    worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
-    run(worker, 1)
-    path = worker.tree.block_path(worker.namespace.id, ks[1])
-    with open(path, "r+b") as f:
-        f.seek(HEADER_SIZE + 10)
-        f.write(b"\xff\xfe")
+    path = store_then_corrupt(manager, worker, ks, ctx, 1)
     worker.submit_load(2, manager.prepare_load(ks, ctx), GPULoadStoreSpec(list(range(20, 32)), [12], [0]))
     failed, report = run(worker, 2)
     assert failed == set(range(24, 32))
@@ -439,12 +447,7 @@ def test_a_corrupt_block_is_left_in_place_when_a_planted_link_blocks_its_quarant
     manager, worker, kv = rig()
     ctx = ReqContext("r")
     ks = keys(2, salt=7)
-    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ctx).store_spec)
-    run(worker, 1)
-    path = worker.tree.block_path(worker.namespace.id, ks[0])
-    with open(path, "r+b") as f:
-        f.seek(HEADER_SIZE + 10)
-        f.write(b"\xff\xfe")
+    path = store_then_corrupt(manager, worker, ks, ctx, 0)
     outside = tmp_path / "outside"
     outside.mkdir()
     quarantine = worker.tree.state_dir / "quarantine"
