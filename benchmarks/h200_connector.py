@@ -167,10 +167,10 @@ def worker_counters(stats: dict) -> dict:
 
 
 def import_pykv_config():
-    """``pykv.connector.config.PykvConfig`` (vLLM-free), also from a plain checkout where the
+    """``pykv.config.PykvConfig`` (vLLM-free), also from a plain checkout where the
     ``pykv.connector`` -> ``connector/`` package mapping of an install is missing."""
     try:
-        from pykv.connector.config import PykvConfig
+        from pykv.config import PykvConfig
         return PykvConfig
     except ImportError:
         pass
@@ -184,7 +184,7 @@ def import_pykv_config():
         pkg.__path__ = [str(REPO / "connector")]
         sys.modules["pykv.connector"] = pkg
         pykv.connector = pkg
-    return importlib.import_module("pykv.connector.config").PykvConfig
+    return importlib.import_module("pykv.config").PykvConfig
 
 
 def run_cmd(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:

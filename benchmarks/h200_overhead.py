@@ -48,7 +48,7 @@ def engine(config: str, args: argparse.Namespace) -> None:
                   gpu_memory_utilization=0.5, max_num_batched_tokens=8192)
     if config != "none":
         from pykv.calibration import Calibration, TierCalibration
-        from pykv.connector.config import PykvConfig
+        from pykv.config import PykvConfig
         from pykv.connector.connector import PykvOffloadingConnector
 
         if config == "gated-nhd":

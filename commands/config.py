@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.errors import InputError
 
 

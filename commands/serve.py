@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from pykv.commands.output import check_new_root, parse_pairs, warn
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
 from pykv.errors import InputError, PykvError

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
     parse_engine_args, parse_pairs, table, warn)
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.serve import check_vllm_args
 from pykv.connector.warm import WarmPlan, read_prompts, run_warm
 from pykv.errors import InputError, PykvError

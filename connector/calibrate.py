@@ -102,7 +102,7 @@ class CalibrationRun:
         for key in self.settings:
             if key in RESERVED_SETTINGS:
                 raise InputError(f"--set {key}: not allowed here ({RESERVED_SETTINGS[key]})")
-        from pykv.connector.config import PykvConfig
+        from pykv.config import PykvConfig
         PykvConfig.from_extra_config({"root": str(self.root), **self.settings})  # raises naming a bad key
 
 
@@ -135,7 +135,7 @@ def engine_kwargs(run: CalibrationRun) -> dict[str, Any]:
 def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int) -> list[Phase]:
     """The engines and requests of a calibration (``dram_bytes``: the store engine's DRAM tier;
     ``work``: the work directory, where the gated engine's calibration file ``GATE_FILE`` will be)."""
-    from pykv.connector.config import PykvConfig
+    from pykv.config import PykvConfig
 
     warm = min(run.lengths)
     reps = range(run.repeat)

@@ -46,7 +46,7 @@ def main() -> None:
     from pykv.connector.compat import LLM, SamplingParams
 
     from pykv.connector import compat
-    from pykv.connector.config import PykvConfig
+    from pykv.config import PykvConfig
     from pykv.connector.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(args.work / "tiny-llama")

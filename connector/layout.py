@@ -20,7 +20,7 @@ from pykv.staging import slot_bytes_for
 
 from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, OffloadingConfig
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.identity import current_engine_settings, hash_seed_fingerprint, model_identity, warn_about_seed
 
 

@@ -48,7 +48,7 @@ from pykv.connector.compat import (
     ReqContext,
     RequestOffloadingContext,
 )
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.layout import early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
 from pykv.connector.statsfile import StatsFile

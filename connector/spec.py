@@ -23,7 +23,7 @@ from pykv.connector.compat import (
     OffloadingMetricMetadata,
     OffloadingSpec,
 )
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 
 NO_SLOT = -1
 

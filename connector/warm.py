@@ -354,7 +354,7 @@ def run_plan(plan: WarmPlan, progress_path: Path | None, work: Path) -> dict[str
     """(In the engine process) start the engine the plan describes and warm its prompts
     (``work``: the run's own directory, for a dry run's scratch tree)."""
     from pykv.connector.compat import LLM
-    from pykv.connector.config import PykvConfig
+    from pykv.config import PykvConfig
     from pykv.connector.serve import engine_kwargs, with_platform_defaults
     from pykv.tree import MARKER_NAME, KVTree
 

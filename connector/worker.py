@@ -43,7 +43,7 @@ from pykv.tree import KVTree, TreeOptions
 
 from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
 from pykv.connector.layout import BlockLayout, early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport

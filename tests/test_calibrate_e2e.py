@@ -299,7 +299,7 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
     LONG's hit is compared with vLLM's own prefix cache hitting the same 768 tokens (``SamePath``)."""
     from reliability.engines import REFERENCE_ENGINE, SamePath, reference_steps
 
-    from pykv.connector.config import PykvConfig
+    from pykv.config import PykvConfig
 
     from pykv.connector.identity import model_identity
 

@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from pykv.commands.app import app
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 
 
 def run(*args):

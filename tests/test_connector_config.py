@@ -9,7 +9,7 @@ import pytest
 
 from pykv.errors import InputError
 
-from pykv.connector.config import FIELDS, PykvConfig
+from pykv.config import FIELDS, PykvConfig
 
 
 def test_defaults_and_written_forms():

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from pykv.format import HEADER_SIZE  # noqa: E402
 
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, ReqContext  # noqa: E402
-from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
 from pykv.connector.spec import WorkerReport  # noqa: E402
 from pykv.connector.worker import PykvWorker  # noqa: E402

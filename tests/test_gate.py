@@ -86,7 +86,7 @@ vllm = pytest.importorskip("vllm")
 
 from pykv.connector import compat  # noqa: E402
 from pykv.connector.compat import LookupResult, OffloadingConfig, ReqContext  # noqa: E402
-from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.identity import model_identity  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
 from pykv.connector.spec import Metric  # noqa: E402

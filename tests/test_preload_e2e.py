@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from reliability.engines import REFERENCE_ENGINE, SamePath, reference_steps  # noqa: E402
 from test_connector_e2e import CHUNK, finish, settle, snap, start, tokens, worker  # noqa: E402
 
-from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.config import PykvConfig  # noqa: E402
 
 PREFIX = tokens(70, 780)  # 3 stored blocks; X requests part from it inside block 4: both caches hit 768
 P = {"prefix": PREFIX, "D": tokens(71, 1000), "XA": PREFIX + tokens(72, 24), "XB": PREFIX + tokens(73, 100),

@@ -21,7 +21,7 @@ from test_connector_worker import BLOCKS, BPC, kv_caches, offloading_config  # n
 from worker_helpers import settle_stores  # noqa: E402
 
 from pykv.connector.compat import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
-from pykv.connector.config import PykvConfig  # noqa: E402
+from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
 from pykv.connector.spec import NO_SLOT, Metric  # noqa: E402
 from pykv.connector.worker import PykvWorker  # noqa: E402

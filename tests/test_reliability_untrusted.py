@@ -428,7 +428,7 @@ def test_one_block_is_one_block(tmp_path):
 
 def test_the_connector_refuses_at_start_a_root_of_the_users_files(tmp_path):
     pytest.importorskip("vllm")
-    from pykv.connector.config import PykvConfig
+    from pykv.config import PykvConfig
     from pykv.connector.manager import PykvManager
     from reliability.connector_rig import offloading_config
 

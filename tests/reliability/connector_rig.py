@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, ReqContext
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 from pykv.connector.manager import PykvManager
 from pykv.connector.worker import PykvWorker
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pykv.connector.config import PykvConfig
+from pykv.config import PykvConfig
 
 TESTS = Path(__file__).resolve().parents[1]
 DRIVER = TESTS / "e2e" / "driver.py"
