@@ -51,7 +51,7 @@ from pykv.connector.compat import (
 from pykv.config import PykvConfig
 from pykv.connector.layout import early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
-from pykv.connector.statsfile import StatsFile
+from pykv.counters import CounterFile
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class PykvManager(OffloadingManager):
             if pykv.preload else None
         self.counters: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
-        self._stats_file = StatsFile("scheduler")
+        self._stats_file = CounterFile("scheduler")
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
             pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
             setting="kv_connector_extra_config.breakeven_file", margin=pykv.breakeven_margin)

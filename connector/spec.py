@@ -24,6 +24,7 @@ from pykv.connector.compat import (
     OffloadingSpec,
 )
 from pykv.config import PykvConfig
+from pykv.counters import METRIC_DOCS, Metric  # noqa: F401  (re-exported: the manager and tests name them here)
 
 NO_SLOT = -1
 
@@ -59,38 +60,6 @@ class PykvStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"PykvStoreSpec({len(self.keys)} keys, dram={self.dram_slots})"
-
-
-class Metric:
-    """Names of pykv's own counters (emitted by the manager's ``get_stats``)."""
-
-    HITS_DRAM = "pykv:load_hits_dram"
-    HITS_DISK = "pykv:load_hits_disk"
-    LOAD_FAILURES = "pykv:load_failures"
-    STORE_SKIPPED = "pykv:store_skipped"
-    STORE_FAILURES = "pykv:store_failures"
-    STORES_DISABLED = "pykv:stores_disabled"
-    STORES_OFF = "pykv:stores_off"
-    GATE_REFUSALS = "pykv:gate_refusals"
-    GATE_REFUSED_TOKENS = "pykv:gate_refused_tokens"
-    PRELOAD_REQUESTS = "pykv:preload_requests"
-    PRELOAD_BLOCKS = "pykv:preload_blocks"
-
-
-METRIC_DOCS = {
-    Metric.HITS_DRAM: "Storage blocks loaded from pykv's DRAM tier (no disk read).",
-    Metric.HITS_DISK: "Storage blocks loaded from the pykv file tree.",
-    Metric.LOAD_FAILURES: "Storage blocks whose load failed (missing, corrupt); their tokens were recomputed.",
-    Metric.STORE_SKIPPED: "Storage blocks not stored because they were already on disk or being stored.",
-    Metric.STORE_FAILURES: "Storage blocks whose store failed (disk full, read-only tree, ...).",
-    Metric.STORES_DISABLED: "Storage blocks not stored because stores were paused after a store failure.",
-    Metric.STORES_OFF: "Storage blocks not stored because this instance only loads (`store` is false).",
-    Metric.GATE_REFUSALS: "Lookups whose load the break-even gate refused (prefix below the tier's threshold).",
-    Metric.GATE_REFUSED_TOKENS: "Tokens the break-even gate chose to recompute instead of loading.",
-    Metric.PRELOAD_REQUESTS: "Waiting requests whose stored blocks were sent to the workers to read ahead.",
-    Metric.PRELOAD_BLOCKS: "Storage blocks named in those read-ahead plans, per request (the workers read "
-                           "a block that several waiting requests share once).",
-}
 
 
 CONFIG_INFO_KEYS = ("pykv_root", "pykv_namespace", "pykv_dram_slots", "pykv_dram_policy", "pykv_io_engine",

@@ -47,7 +47,7 @@ from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
 from pykv.connector.layout import BlockLayout, early_release_enabled, namespace_for, slot_bytes, slot_counts
 from pykv.connector.spec import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
-from pykv.connector.statsfile import StatsFile
+from pykv.counters import CounterFile
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class PykvWorker(OffloadingWorker):
         self._failed_blocks: set[int] = set()
         self._failed_jobs: set[int] = set()
         self._report = WorkerReport()
-        self._stats_file = StatsFile(f"worker{self.rank}")
+        self._stats_file = CounterFile(f"worker{self.rank}")
         self._stats_lock = threading.Lock()
         self.early_release = early_release_enabled(config)
         self.reactor = Reactor(backend, self.pool, self.tree,
