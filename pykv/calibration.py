@@ -30,13 +30,13 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pykv.errors import InputError
+from pykv.io.atomic import write_atomically
 from pykv.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -271,22 +271,6 @@ class Calibration:
 
     def thresholds(self) -> dict[str, float]:
         return {name: tier.break_even_tokens for name, tier in self.tiers.items()}
-
-
-def write_atomically(path: Path, content: bytes) -> Path:
-    """``path`` holds either its old content or all of ``content``, even if interrupted."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _string(data: Mapping[str, Any], name: str, source: object) -> str:

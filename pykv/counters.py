@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from pykv.io.atomic import write_atomically
+
 ENV = "PYKV_STATS_FILE"
 MAX_FILE_BYTES = 1 << 20  # a counter file is a few KiB; anything larger is not one
 
@@ -182,10 +184,7 @@ class CounterFile:
         if snapshot == self._last:
             return
         self._last = snapshot
-        temp = f"{self.path}.tmp.{os.getpid()}"
-        with open(temp, "w") as f:
-            json.dump(snapshot, f, sort_keys=True)
-        os.replace(temp, self.path)
+        write_atomically(self.path, json.dumps(snapshot, sort_keys=True), durable=False)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from pykv.calibration import (
     parse_lengths,
     parse_tiers,
     save_plot,
-    write_atomically,
 )
 from pykv.connector.calibrate import _check_sample, summarize_gate
 from pykv.errors import InputError, PykvError
+from pykv.io.atomic import write_atomically
 
 
 def points(*rows: tuple[int, float, float]) -> list[Point]:
