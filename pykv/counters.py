@@ -31,136 +31,104 @@ ENV = "PYKV_STATS_FILE"
 MAX_FILE_BYTES = 1 << 20  # a counter file is a few KiB; anything larger is not one
 
 
-class Metric(enum.StrEnum):
+class _Documented(enum.StrEnum):
+    """A counter name that carries its one-line meaning (``.doc``)."""
+
+    doc: str
+
+    def __new__(cls, value: str, doc: str) -> "_Documented":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.doc = doc
+        return member
+
+
+class Metric(_Documented):
     """The scheduler counters vLLM exports (names as they appear in ``/metrics``)."""
 
-    HITS_DRAM = "pykv:load_hits_dram"
-    HITS_DISK = "pykv:load_hits_disk"
-    LOAD_FAILURES = "pykv:load_failures"
-    STORE_SKIPPED = "pykv:store_skipped"
-    STORE_FAILURES = "pykv:store_failures"
-    STORES_DISABLED = "pykv:stores_disabled"
-    STORES_OFF = "pykv:stores_off"
-    GATE_REFUSALS = "pykv:gate_refusals"
-    GATE_REFUSED_TOKENS = "pykv:gate_refused_tokens"
-    PRELOAD_REQUESTS = "pykv:preload_requests"
-    PRELOAD_BLOCKS = "pykv:preload_blocks"
+    HITS_DRAM = "pykv:load_hits_dram", "Storage blocks loaded from pykv's DRAM tier (no disk read)."
+    HITS_DISK = "pykv:load_hits_disk", "Storage blocks loaded from the pykv file tree."
+    LOAD_FAILURES = ("pykv:load_failures",
+        "Storage blocks whose load failed (missing, corrupt); their tokens were recomputed.")
+    STORE_SKIPPED = ("pykv:store_skipped",
+        "Storage blocks not stored because they were already on disk or being stored.")
+    STORE_FAILURES = "pykv:store_failures", "Storage blocks whose store failed (disk full, read-only tree, ...)."
+    STORES_DISABLED = ("pykv:stores_disabled",
+        "Storage blocks not stored because stores were paused after a store failure.")
+    STORES_OFF = "pykv:stores_off", "Storage blocks not stored because this instance only loads (`store` is false)."
+    GATE_REFUSALS = ("pykv:gate_refusals",
+        "Lookups whose load the break-even gate refused (prefix below the tier's threshold).")
+    GATE_REFUSED_TOKENS = ("pykv:gate_refused_tokens",
+        "Tokens the break-even gate chose to recompute instead of loading.")
+    PRELOAD_REQUESTS = ("pykv:preload_requests",
+        "Waiting requests whose stored blocks were sent to the workers to read ahead.")
+    PRELOAD_BLOCKS = ("pykv:preload_blocks",
+        "Storage blocks named in those read-ahead plans, per request (the workers read a block "
+        "that several waiting requests share once).")
 
 
-METRIC_DOCS = {
-    Metric.HITS_DRAM: "Storage blocks loaded from pykv's DRAM tier (no disk read).",
-    Metric.HITS_DISK: "Storage blocks loaded from the pykv file tree.",
-    Metric.LOAD_FAILURES: "Storage blocks whose load failed (missing, corrupt); their tokens were recomputed.",
-    Metric.STORE_SKIPPED: "Storage blocks not stored because they were already on disk or being stored.",
-    Metric.STORE_FAILURES: "Storage blocks whose store failed (disk full, read-only tree, ...).",
-    Metric.STORES_DISABLED: "Storage blocks not stored because stores were paused after a store failure.",
-    Metric.STORES_OFF: "Storage blocks not stored because this instance only loads (`store` is false).",
-    Metric.GATE_REFUSALS: "Lookups whose load the break-even gate refused (prefix below the tier's threshold).",
-    Metric.GATE_REFUSED_TOKENS: "Tokens the break-even gate chose to recompute instead of loading.",
-    Metric.PRELOAD_REQUESTS: "Waiting requests whose stored blocks were sent to the workers to read ahead.",
-    Metric.PRELOAD_BLOCKS: "Storage blocks named in those read-ahead plans, per request (the workers read "
-                           "a block that several waiting requests share once).",
-}
+METRIC_DOCS = {metric: metric.doc for metric in Metric}
 
 
-class SchedulerCounter(enum.StrEnum):
+class SchedulerCounter(_Documented):
     """The scheduler's counter file: every ``Metric`` (by its name) plus these."""
 
-    DRAM_ENTRIES = "dram_entries"
-    PENDING_STORES = "pending_stores"
+    DRAM_ENTRIES = "dram_entries", "Blocks in the DRAM tier now (a gauge)."
+    PENDING_STORES = "pending_stores", "Blocks being stored now (a gauge)."
 
 
-class WorkerCounter(enum.StrEnum):
+class WorkerCounter(_Documented):
     """A worker's counter file (``worker<rank>``)."""
 
-    LOAD_JOBS = "load_jobs"
-    LOAD_JOBS_EXPEDITED = "load_jobs_expedited"
-    LOAD_JOB_US = "load_job_us"
-    LOAD_JOB_MAX_US = "load_job_max_us"
-    LOAD_JOB_BYTES = "load_job_bytes"
-    LOAD_BLOCKS_DISK = "load_blocks_disk"
-    LOAD_BLOCKS_DRAM = "load_blocks_dram"
-    LOAD_BLOCKS_FAILED_DISK = "load_blocks_failed_disk"
-    LOAD_BLOCKS_FAILED_DRAM = "load_blocks_failed_dram"
-    DRAM_DELIVERED_BLOCKS = "dram_delivered_blocks"
-    DRAM_DELIVERED_BYTES = "dram_delivered_bytes"
-    STORE_JOBS = "store_jobs"
-    STORE_JOBS_RELEASED_EARLY = "store_jobs_released_early"
-    STORE_BLOCKS = "store_blocks"
-    STORE_PUBLISHED = "store_published"
-    STORE_BLOCKS_FAILED = "store_blocks_failed"
-    STORE_BLOCKS_PAUSED = "store_blocks_paused"
-    STORE_PAUSES = "store_pauses"
-    QUARANTINED = "quarantined"
-    PRELOAD_BLOCKS_PLANNED = "preload_blocks_planned"
-    FLUSH_WAITS = "flush_waits"
-    FLUSH_WAIT_US = "flush_wait_us"
-    JOBS_IN_FLIGHT = "jobs_in_flight"
+    LOAD_JOBS = "load_jobs", "Load jobs vLLM submitted."
+    LOAD_JOBS_EXPEDITED = "load_jobs_expedited", "Load jobs submitted as urgent (vLLM waits on them now)."
+    LOAD_JOB_US = "load_job_us", "Microseconds from submit to end, summed over load jobs."
+    LOAD_JOB_MAX_US = "load_job_max_us", "The longest load job, in microseconds."
+    LOAD_JOB_BYTES = "load_job_bytes", "Bytes delivered by load jobs (DRAM tier and disk)."
+    LOAD_BLOCKS_DISK = "load_blocks_disk", "Storage blocks loaded from the tree."
+    LOAD_BLOCKS_DRAM = "load_blocks_dram", "Storage blocks loaded from the DRAM tier."
+    LOAD_BLOCKS_FAILED_DISK = ("load_blocks_failed_disk",
+        "Storage blocks whose load from the tree failed (recomputed).")
+    LOAD_BLOCKS_FAILED_DRAM = ("load_blocks_failed_dram",
+        "Storage blocks whose load from the DRAM tier failed (recomputed).")
+    DRAM_DELIVERED_BLOCKS = "dram_delivered_blocks", "Blocks copied to the GPU straight from DRAM-tier slots."
+    DRAM_DELIVERED_BYTES = "dram_delivered_bytes", "Their bytes."
+    STORE_JOBS = "store_jobs", "Store jobs vLLM submitted."
+    STORE_JOBS_RELEASED_EARLY = ("store_jobs_released_early",
+        "Store jobs that ended for vLLM once sealed in DRAM-tier slots.")
+    STORE_BLOCKS = "store_blocks", "Storage blocks in store jobs that ended."
+    STORE_PUBLISHED = "store_published", "Block files published."
+    STORE_BLOCKS_FAILED = "store_blocks_failed", "Storage blocks whose store failed."
+    STORE_BLOCKS_PAUSED = "store_blocks_paused", "Storage blocks not written because stores were paused."
+    STORE_PAUSES = "store_pauses", "Times stores were paused after a disk failure."
+    QUARANTINED = "quarantined", "Corrupt block files moved to quarantine."
+    PRELOAD_BLOCKS_PLANNED = "preload_blocks_planned", "Blocks named in preload plans this worker received."
+    FLUSH_WAITS = "flush_waits", "Times vLLM waited for store jobs (``wait``)."
+    FLUSH_WAIT_US = "flush_wait_us", "Microseconds vLLM spent in those waits."
+    JOBS_IN_FLIGHT = "jobs_in_flight", "Jobs not yet reported to vLLM (a gauge: 0 when idle)."
     # the reactor's
-    DISK_READS = "disk_reads"
-    DISK_READ_BYTES = "disk_read_bytes"
-    DELIVERED_BLOCKS = "delivered_blocks"
-    DELIVERED_BYTES = "delivered_bytes"
-    PRELOADS_SUBMITTED = "preloads_submitted"
-    PRELOADS_STARTED = "preloads_started"
-    PRELOADS_CLAIMED = "preloads_claimed"
-    PRELOADS_JOINED = "preloads_joined"
-    PRELOADS_RECLAIMED = "preloads_reclaimed"
-    PRELOADS_FAILED = "preloads_failed"
-    PRELOAD_WASTED_BYTES = "preload_wasted_bytes"
-    SLOTS_HIGH = "slots_high"
-    PRELOAD_SLOTS_HIGH = "preload_slots_high"
+    DISK_READS = "disk_reads", "Block reads started (demand and preload)."
+    DISK_READ_BYTES = "disk_read_bytes", "Their bytes."
+    DELIVERED_BLOCKS = "delivered_blocks", "Blocks handed to the GPU copier (from disk and from DRAM slots)."
+    DELIVERED_BYTES = "delivered_bytes", "Their bytes."
+    PRELOADS_SUBMITTED = "preloads_submitted", "Preload blocks submitted to the reactor."
+    PRELOADS_STARTED = "preloads_started", "Preload reads started."
+    PRELOADS_CLAIMED = "preloads_claimed", "Demand loads served by a preload."
+    PRELOADS_JOINED = "preloads_joined", "Of those, the ones served while the preload's read was in flight."
+    PRELOADS_RECLAIMED = "preloads_reclaimed", "Finished preloads whose slot a demand load took back."
+    PRELOADS_FAILED = "preloads_failed", "Preload reads that failed."
+    PRELOAD_WASTED_BYTES = "preload_wasted_bytes", "Bytes preloaded and never claimed."
+    SLOTS_HIGH = "slots_high", "The most staging slots held at once."
+    PRELOAD_SLOTS_HIGH = "preload_slots_high", "The most staging slots preloads held at once."
     # the GPU copier's
-    H2D_BATCHES = "h2d_batches"
-    H2D_ENTRIES = "h2d_entries"
-    H2D_ISSUE_US = "h2d_issue_us"
-    H2D_GPU_US = "h2d_gpu_us"
-    H2D_WALL_US = "h2d_wall_us"
+    H2D_BATCHES = "h2d_batches", "Host-to-GPU copy batches (loads)."
+    H2D_ENTRIES = "h2d_entries", "Copy entries in those batches."
+    H2D_ISSUE_US = "h2d_issue_us", "Host microseconds spent issuing them."
+    H2D_GPU_US = "h2d_gpu_us", "GPU microseconds they took (CUDA events)."
+    H2D_WALL_US = "h2d_wall_us", "Wall microseconds from issue to completion."
 
 
-WORKER_COUNTER_DOCS = {
-    WorkerCounter.LOAD_JOBS: "Load jobs vLLM submitted.",
-    WorkerCounter.LOAD_JOBS_EXPEDITED: "Load jobs submitted as urgent (vLLM waits on them now).",
-    WorkerCounter.LOAD_JOB_US: "Microseconds from submit to end, summed over load jobs.",
-    WorkerCounter.LOAD_JOB_MAX_US: "The longest load job, in microseconds.",
-    WorkerCounter.LOAD_JOB_BYTES: "Bytes delivered by load jobs (DRAM tier and disk).",
-    WorkerCounter.LOAD_BLOCKS_DISK: "Storage blocks loaded from the tree.",
-    WorkerCounter.LOAD_BLOCKS_DRAM: "Storage blocks loaded from the DRAM tier.",
-    WorkerCounter.LOAD_BLOCKS_FAILED_DISK: "Storage blocks whose load from the tree failed (recomputed).",
-    WorkerCounter.LOAD_BLOCKS_FAILED_DRAM: "Storage blocks whose load from the DRAM tier failed (recomputed).",
-    WorkerCounter.DRAM_DELIVERED_BLOCKS: "Blocks copied to the GPU straight from DRAM-tier slots.",
-    WorkerCounter.DRAM_DELIVERED_BYTES: "Their bytes.",
-    WorkerCounter.STORE_JOBS: "Store jobs vLLM submitted.",
-    WorkerCounter.STORE_JOBS_RELEASED_EARLY: "Store jobs that ended for vLLM once sealed in DRAM-tier slots.",
-    WorkerCounter.STORE_BLOCKS: "Storage blocks in store jobs that ended.",
-    WorkerCounter.STORE_PUBLISHED: "Block files published.",
-    WorkerCounter.STORE_BLOCKS_FAILED: "Storage blocks whose store failed.",
-    WorkerCounter.STORE_BLOCKS_PAUSED: "Storage blocks not written because stores were paused.",
-    WorkerCounter.STORE_PAUSES: "Times stores were paused after a disk failure.",
-    WorkerCounter.QUARANTINED: "Corrupt block files moved to quarantine.",
-    WorkerCounter.PRELOAD_BLOCKS_PLANNED: "Blocks named in preload plans this worker received.",
-    WorkerCounter.FLUSH_WAITS: "Times vLLM waited for store jobs (``wait``).",
-    WorkerCounter.FLUSH_WAIT_US: "Microseconds vLLM spent in those waits.",
-    WorkerCounter.JOBS_IN_FLIGHT: "Jobs not yet reported to vLLM (a gauge: 0 when idle).",
-    WorkerCounter.DISK_READS: "Block reads started (demand and preload).",
-    WorkerCounter.DISK_READ_BYTES: "Their bytes.",
-    WorkerCounter.DELIVERED_BLOCKS: "Blocks handed to the GPU copier (from disk and from DRAM slots).",
-    WorkerCounter.DELIVERED_BYTES: "Their bytes.",
-    WorkerCounter.PRELOADS_SUBMITTED: "Preload blocks submitted to the reactor.",
-    WorkerCounter.PRELOADS_STARTED: "Preload reads started.",
-    WorkerCounter.PRELOADS_CLAIMED: "Demand loads served by a preload.",
-    WorkerCounter.PRELOADS_JOINED: "Of those, the ones served while the preload's read was in flight.",
-    WorkerCounter.PRELOADS_RECLAIMED: "Finished preloads whose slot a demand load took back.",
-    WorkerCounter.PRELOADS_FAILED: "Preload reads that failed.",
-    WorkerCounter.PRELOAD_WASTED_BYTES: "Bytes preloaded and never claimed.",
-    WorkerCounter.SLOTS_HIGH: "The most staging slots held at once.",
-    WorkerCounter.PRELOAD_SLOTS_HIGH: "The most staging slots preloads held at once.",
-    WorkerCounter.H2D_BATCHES: "Host-to-GPU copy batches (loads).",
-    WorkerCounter.H2D_ENTRIES: "Copy entries in those batches.",
-    WorkerCounter.H2D_ISSUE_US: "Host microseconds spent issuing them.",
-    WorkerCounter.H2D_GPU_US: "GPU microseconds they took (CUDA events).",
-    WorkerCounter.H2D_WALL_US: "Wall microseconds from issue to completion.",
-}
+WORKER_COUNTER_DOCS = {counter: counter.doc for counter in WorkerCounter}
 
 
 class CounterFile:
