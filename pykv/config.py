@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from pykv.errors import InputError
+from pykv.tiers import EVICTION_POLICIES
 from pykv.units import parse_duration, parse_size
 
 PREFIX = "kv_connector_extra_config"
@@ -130,7 +131,7 @@ class PykvConfig:
     io_engine: str = _key(_choice("auto", "io_uring", "threadpool"), "auto",
                           "I/O backend: io_uring when usable, else a preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
-    dram_policy: str = _key(_choice("lru", "arc"), "lru", "DRAM tier replacement policy.", "str")
+    dram_policy: str = _key(_choice(*EVICTION_POLICIES), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, True, "Read the stored blocks of requests still waiting in vLLM's queue into "
                          "staging slots ahead of their scheduling.", "bool")
     preload_look_ahead: int = _key(_positive_int(65536), 8, "Waiting requests (oldest first) whose blocks are "

@@ -8,22 +8,25 @@ only follows the slot ids it is told; nothing is shared between the processes.
 An entry is either *pending* (a slot was assigned, the bytes are not there yet:
 a store or a promotion is in flight) or *valid* (the bytes in the slot are the
 block). Pending entries and entries with pins (a load or store in flight uses
-the slot) are never evicted. Replacement among the rest follows the policy:
+the slot) are never evicted. Replacement among the rest follows an
+``EvictionPolicy``, chosen by name from ``EVICTION_POLICIES``:
 
 - ``lru``: least recently used first.
 - ``arc``: Adaptive Replacement Cache (Megiddo & Modha): T1 holds keys seen
   once, T2 keys seen again; the ghost lists B1/B2 remember recent evictions and
   steer the target size ``p`` of T1 between recency and frequency.
+
+A new policy is one class implementing ``EvictionPolicy`` plus one line in
+``EVICTION_POLICIES`` (the ``dram_policy`` setting accepts every name there).
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Protocol, runtime_checkable
 
 Key = Hashable
-POLICIES = ("lru", "arc")
 
 
 @dataclass
@@ -33,7 +36,34 @@ class DramEntry:
     pins: int = 0
 
 
-class _Lru:
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """The order in which the DRAM tier gives up its blocks. ``DramIndex`` tells it every
+    event; it only keeps its own lists and names a victim when a slot is needed."""
+
+    def miss(self, key: Key) -> None:
+        """``key`` is about to be admitted (called before any eviction it causes)."""
+
+    def insert(self, key: Key) -> None:
+        """``key`` was admitted."""
+
+    def remove(self, key: Key) -> None:
+        """``key`` was dropped (not evicted): forget it, remembering nothing."""
+
+    def hit(self, key: Key) -> None:
+        """A valid ``key`` was used."""
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """The key to evict next among those ``evictable`` accepts; None when there is none."""
+
+    def evicted(self, key: Key) -> None:
+        """The victim was evicted."""
+
+    def clear(self) -> None:
+        """Forget every key (a cache reset)."""
+
+
+class LruPolicy:
     """Recency order only."""
 
     def __init__(self, capacity: int) -> None:
@@ -62,7 +92,7 @@ class _Lru:
         self._order.clear()
 
 
-class _Arc:
+class ArcPolicy:
     """ARC lists; ``victim`` picks from T1 or T2 by the adaptive target ``p``."""
 
     def __init__(self, capacity: int) -> None:
@@ -131,6 +161,14 @@ class _Arc:
         self.p = 0.0
 
 
+#: The eviction policies by ``dram_policy`` name: each builds from the tier's capacity.
+EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "arc": ArcPolicy,
+}
+POLICIES = tuple(EVICTION_POLICIES)
+
+
 class DramIndex:
     """Keys -> DRAM slot ids ``0..capacity-1`` with pending/valid state, pins and eviction.
 
@@ -143,11 +181,11 @@ class DramIndex:
     def __init__(self, capacity: int, policy: str = "lru") -> None:
         if capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
         self.capacity = capacity
         self.policy_name = policy
-        self._policy = _Lru(capacity) if policy == "lru" else _Arc(capacity)
+        self._policy: EvictionPolicy = EVICTION_POLICIES[policy](capacity)
         self._entries: dict[Key, DramEntry] = {}
         self._free: collections.deque[int] = collections.deque(range(capacity))
         self._evicted: list[Key] = []

@@ -123,3 +123,51 @@ def test_clear_keeps_the_slots_it_is_told_to_keep_invalidated():
     assert kept not in {index.allocate("x"), index.allocate("y")} and index.allocate("z") is None
     index.drop("b")
     assert index.allocate("z") == kept
+
+
+class _MruPolicy:
+    """A policy written against the protocol alone: evicts the most recently admitted key."""
+
+    def __init__(self, capacity: int) -> None:
+        self.order: list = []
+
+    def miss(self, key) -> None:
+        return
+
+    def insert(self, key) -> None:
+        self.order.append(key)
+
+    def remove(self, key) -> None:
+        if key in self.order:
+            self.order.remove(key)
+
+    def hit(self, key) -> None:
+        return
+
+    def victim(self, evictable):
+        return next((k for k in reversed(self.order) if evictable(k)), None)
+
+    def evicted(self, key) -> None:
+        self.remove(key)
+
+    def clear(self) -> None:
+        self.order.clear()
+
+
+def test_a_new_eviction_policy_is_one_class_and_one_registration(monkeypatch):
+    from pykv import tiers
+
+    assert isinstance(tiers.LruPolicy(1), tiers.EvictionPolicy) and isinstance(tiers.ArcPolicy(1), tiers.EvictionPolicy)
+    monkeypatch.setitem(tiers.EVICTION_POLICIES, "mru", _MruPolicy)
+    index = DramIndex(2, "mru")
+    fill(index, "a", "b")
+    assert index.allocate("c") is not None
+    assert index.take_evicted() == ["b"] and index.lookup("a") is not None
+
+
+def test_the_dram_policy_setting_accepts_every_registered_policy():
+    from pykv.config import PykvConfig
+    from pykv.tiers import EVICTION_POLICIES
+
+    for name in EVICTION_POLICIES:
+        assert PykvConfig.from_extra_config({"root": "/t", "dram_policy": name}).dram_policy == name
