@@ -35,7 +35,9 @@ from collections import Counter
 from typing import Any, Collection
 
 from pykv.calibration import BreakEvenGate
+from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.preload import PreloadPlan, PreloadPlanner
+from pykv.residency import DramResidency, StorePause, Tier
 from pykv.tiers import DramIndex
 from pykv.tree import KVTree, TreeOptions
 
@@ -50,15 +52,17 @@ from pykv.connector.compat import (
 )
 from pykv.config import PykvConfig
 from pykv.connector.layout import early_release_enabled, namespace_for, slot_bytes, slot_counts
-from pykv.connector.spec import NO_SLOT, Metric, PykvLoadSpec, PykvStoreSpec, WorkerReport
-from pykv.counters import CounterFile
+from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
 log = logging.getLogger(__name__)
 
 
+def _slot_or_none(slot: int | None) -> int:
+    return NO_SLOT if slot is None else slot
+
 
 class PykvManager(OffloadingManager):
-    """Lookups, load/store preparation and the DRAM index; see the module docstring."""
+    """Lookups, load/store preparation and the DRAM tier's slots; see the module docstring."""
 
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
@@ -69,15 +73,9 @@ class PykvManager(OffloadingManager):
         except OSError as exc:  # a read-only tree can still serve loads
             log.warning("pykv: cannot prepare namespace %s in %s (%s)", self.namespace.id, pykv.root, exc)
         _, dram_slots = slot_counts(pykv, config)
-        self.dram = DramIndex(dram_slots, pykv.dram_policy)
-        self._pending_stores: set[bytes] = set()
-        self.early_release = early_release_enabled(config)
-        self._writing: set[bytes] = set()  # committed DRAM entries whose file a worker still writes from the slot
-        self._ended: set[bytes] = set()  # writes reported ended before vLLM completed their store
-        self._drop_when_written: set[bytes] = set()  # invalidated while written: dropped when the write ends
-        self._reset_fenced: set[bytes] = set()  # in flight at a cache reset: dropped at on_reset_flushed
-        self._load_tiers: tuple[str | None, dict[bytes, str]] = (None, {})  # the last prepare_load's tiers
-        self._stores_paused_until = 0.0
+        self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=early_release_enabled(config))
+        self.store_pause = StorePause(pykv.store_retry_interval)
+        self._load_tiers: tuple[str | None, dict[bytes, Tier]] = (None, {})  # the last prepare_load's tiers
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
         self.counters: Counter[str] = Counter()
@@ -88,9 +86,18 @@ class PykvManager(OffloadingManager):
             setting="kv_connector_extra_config.breakeven_file", margin=pykv.breakeven_margin)
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
         self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
-        self._gate_tiers: dict[bytes, str | None] = {}  # vLLM's lookups right after reuse it
+        self._gate_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse it
         log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", pykv.root, self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
+
+    @property
+    def dram(self) -> DramIndex:
+        """The DRAM tier's index (its slots, pins and eviction order)."""
+        return self.residency.index
+
+    @property
+    def early_release(self) -> bool:
+        return self.residency.early_release
 
     # -- lookups and loads ---------------------------------------------------------------------
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
@@ -99,13 +106,14 @@ class PykvManager(OffloadingManager):
         if req_context.req_id == self._gate_request and key in self._gate_tiers:
             tier = self._gate_tiers[key]  # the gate just looked: no second stat per block
         else:
-            tier = self._tier_of(key)
+            tier = self.tier_of(key)
         return LookupResult.MISS if tier is None else LookupResult.HIT
 
-    def _tier_of(self, key: bytes) -> str | None:
-        if self.dram.lookup(key) is not None:
-            return "dram"
-        return "disk" if self.tree.contains(self.namespace.id, key) else None
+    def tier_of(self, key: bytes) -> Tier | None:
+        """Where a load of ``key`` would come from now (None: a miss)."""
+        if self.residency.slot_of(key) is not None:
+            return Tier.DRAM
+        return Tier.DISK if self.tree.contains(self.namespace.id, key) else None
 
     def gate_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
         """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
@@ -116,9 +124,9 @@ class PykvManager(OffloadingManager):
             return
         tiers = self._gate_tiers
 
-        def tier_of(key: bytes) -> str | None:
+        def tier_of(key: bytes) -> Tier | None:
             if key not in tiers:
-                tiers[key] = self._tier_of(key)
+                tiers[key] = self.tier_of(key)
             return tiers[key]
 
         decision = self.gate.decide(groups, num_computed_tokens, tier_of)
@@ -133,21 +141,17 @@ class PykvManager(OffloadingManager):
         (gc recency) and, with a DRAM tier, a pending slot to be promoted into."""
         slots, resident, tiers = [], [], {}
         for key in keys:
-            slot = self.dram.lookup(key)
+            slot = self.residency.pin_hit(key)
             if slot is not None:
-                self.dram.pin(key)
-                self.dram.touch([key])
-                slots.append(slot)
-                resident.append(True)
-                tiers[key] = "dram"
+                tiers[key] = Tier.DRAM
                 self.counters[Metric.HITS_DRAM] += 1
-                continue
-            tiers[key] = "disk"
-            self.tree.touch(self.tree.block_path(self.namespace.id, key))
-            self.counters[Metric.HITS_DISK] += 1
-            slot = self._promotion_slot(key)
+            else:
+                tiers[key] = Tier.DISK
+                self.tree.touch(self.tree.block_path(self.namespace.id, key))
+                self.counters[Metric.HITS_DISK] += 1
+                slot = _slot_or_none(self.residency.promotion_slot(key))
             slots.append(slot)
-            resident.append(False)
+            resident.append(tiers[key] is Tier.DRAM)
         self._preload_done(req_context.req_id)
         self._load_tiers = (req_context.req_id, tiers)
         self._write_stats()
@@ -159,31 +163,14 @@ class PykvManager(OffloadingManager):
         just called for this request)."""
         req_id, tiers = self._load_tiers
         tier = tiers.get(key) if req_id == req_context.req_id else None
-        return compat.cache_hit_source(tier or self._tier_of(key))
-
-    def _promotion_slot(self, key: bytes) -> int:
-        if self.dram.capacity == 0 or key in self.dram:
-            return NO_SLOT
-        # A block being preloaded is promoted too: the reactor copies it from the preload's
-        # staging slot into this one (one read). Without it, every later hit of a preloaded
-        # prefix would read the disk again (H200 P40 run 5: 775 against 640 block reads).
-        slot = self.dram.allocate(key)
-        if slot is None:
-            return NO_SLOT
-        self.dram.pin(key)
-        return slot
+        return compat.cache_hit_source(tier or self.tier_of(key))
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        self.dram.touch(keys)
+        self.residency.touch(keys)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         """Unpin; promotions become valid (a failed one was dropped by ``on_worker_report``)."""
-        for key in keys:
-            entry = self.dram.entry(key)
-            if entry is not None and key not in self._reset_fenced:  # fenced: a pre-reset transfer's entry
-                self.dram.unpin(key)
-                if key not in self._drop_when_written:  # forgotten while still written: stays a miss
-                    self.dram.commit(key)
+        self.residency.loads_ended(keys)
         self._write_stats()
 
     # -- stores --------------------------------------------------------------------------------
@@ -192,91 +179,43 @@ class PykvManager(OffloadingManager):
         instance only loads (``store`` false), store nothing."""
         keys = list(keys)
         refused = Metric.STORES_OFF if not self.pykv.store else \
-            Metric.STORES_DISABLED if self._clock() < self._stores_paused_until else None
+            Metric.STORES_DISABLED if self.store_pause.active(self._clock()) else None
         if refused:
             self.counters[refused] += len(keys)
             self._write_stats()
             return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         to_store, slots = [], []
         for key in keys:
-            if key in self._pending_stores or key in self.dram or self.tree.contains(self.namespace.id, key):
+            if self.residency.holds(key) or self.tree.contains(self.namespace.id, key):
                 # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
                 self.counters[Metric.STORE_SKIPPED] += 1
                 continue
-            self._pending_stores.add(key)
-            slot = NO_SLOT
-            if self.dram.capacity:
-                allocated = self.dram.allocate(key)
-                if allocated is not None:
-                    self.dram.pin(key)
-                    slot = allocated
             to_store.append(key)
-            slots.append(slot)
+            slots.append(_slot_or_none(self.residency.begin_store(key)))
         self._write_stats()
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=PykvStoreSpec(to_store, slots),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """DRAM entries become hits; with early release a slot stays pinned until its write ends."""
-        for key in keys:
-            self._pending_stores.discard(key)
-            if self.dram.entry(key) is None:
-                self._ended.discard(key)
-                continue
-            if not success:
-                self._release_write(key)
-                self.dram.drop(key)
-                continue
-            self.dram.commit(key)
-            if not self.early_release or key in self._ended:
-                self._ended.discard(key)
-                self.dram.unpin(key)
-            else:
-                self._writing.add(key)
+        self.residency.store_completed(keys, success)
         self._write_stats()
-
-    def _release_write(self, key: bytes) -> None:
-        """The write from ``key``'s DRAM slot is over: unpin it (or drop it, if invalidated meanwhile)."""
-        if key in self._writing:
-            self._writing.discard(key)
-            self.dram.unpin(key)
-            if key in self._drop_when_written:
-                self._drop_when_written.discard(key)
-                if key not in self._reset_fenced:
-                    self.dram.drop(key)
-        elif key in self._pending_stores:  # vLLM has not completed the store yet
-            self._ended.add(key)
 
     # -- worker feedback -----------------------------------------------------------------------
     def on_worker_report(self, report: WorkerReport) -> None:
         """Apply a worker's failures. Called before vLLM's ``complete_*`` of the same step."""
         for key in report.failed_loads:
-            self._forget(key)
+            self.residency.load_failed(key)
             self.counters[Metric.LOAD_FAILURES] += 1
         for key in report.stores_ended:
-            self._release_write(key)
+            self.residency.write_ended(key)
         for key, dram_ok in report.failed_stores:
             self.counters[Metric.STORE_FAILURES] += 1
-            if not dram_ok and key in self._reset_fenced:
-                self._writing.discard(key)  # that store is over: its slot waits for the flush only
-            elif not dram_ok:
-                self._forget(key)
-        if report.store_error and self._clock() >= self._stores_paused_until:
-            self._stores_paused_until = self._clock() + self.pykv.store_retry_interval
+            self.residency.store_failed(key, dram_ok)
+        if report.store_error and self.store_pause.begin(self._clock()):
             log.warning("pykv: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
                         self.pykv.root, report.store_error, self.pykv.store_retry_interval)
         self._write_stats()
-
-    def _forget(self, key: bytes) -> None:
-        """Drop ``key``'s DRAM entry; one a worker still writes from misses from now on and
-        keeps its slot until that write ends (one fenced by a reset is already a miss)."""
-        if key in self._reset_fenced:
-            return
-        if key in self._writing:
-            self.dram.invalidate(key)
-            self._drop_when_written.add(key)
-        else:
-            self.dram.drop(key)
 
     # -- preloading (connector hooks; see pykv.preload) ------------------------------------------
     def preload_candidate(self, req_id: str, keys: list[bytes]) -> None:
@@ -288,7 +227,7 @@ class PykvManager(OffloadingManager):
         """Once per scheduler step: blocks to read ahead for waiting requests, requests to drop."""
         if self.preloads is None:
             return PreloadPlan()
-        plan = self.preloads.plan(self._tier_of)
+        plan = self.preloads.plan(self.tier_of)
         if plan.preloads:
             self.counters[Metric.PRELOAD_REQUESTS] += len(plan.preloads)
             self.counters[Metric.PRELOAD_BLOCKS] += sum(len(keys) for keys in plan.preloads.values())
@@ -312,25 +251,14 @@ class PykvManager(OffloadingManager):
         return RequestOffloadingContext(policy=compat.DEFAULT_OFFLOAD_POLICY)
 
     def reset_cache(self) -> None:
-        """Forget the DRAM tier. Slots a transfer in flight still uses stay taken (misses) until
-        ``on_reset_flushed``; slots a file is still written from, also until that write ends."""
-        in_flight = set(self.dram.in_use())
-        if self.early_release:  # a pending store's write may go on after vLLM's job ends
-            self._writing |= {k for k in self._pending_stores if k in in_flight and k not in self._ended}
-        self._reset_fenced |= in_flight
-        self.dram.clear(keep=in_flight | self._writing)
-        self._drop_when_written = set(self._writing)
-        self._pending_stores.clear()
-        self._ended.clear()
+        """Forget the DRAM tier (slots a transfer in flight still uses stay taken; ``DramResidency.reset``)."""
+        self.residency.reset()
         self._load_tiers = (None, {})
 
     def on_reset_flushed(self) -> None:
         """(vLLM 33+; pykv's connector on older vLLM.) Workers finished every job in flight at the
         last reset: free the slots those jobs used, except slots a file is still written from."""
-        fenced, self._reset_fenced = self._reset_fenced, set()
-        for key in fenced:
-            if key not in self._writing:
-                self.dram.drop(key)
+        self.residency.reset_flushed()
         self._write_stats()
 
     def config_info(self) -> list[dict[str, Any]]:
@@ -354,5 +282,5 @@ class PykvManager(OffloadingManager):
     def _write_stats(self) -> None:
         if not self._stats_file.enabled:
             return
-        self._stats_file.write({**self.counters, "dram_entries": len(self.dram),
-                                "pending_stores": len(self._pending_stores)})
+        self._stats_file.write({**self.counters, SchedulerCounter.DRAM_ENTRIES: len(self.residency),
+                                SchedulerCounter.PENDING_STORES: self.residency.pending_stores})
