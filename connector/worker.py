@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pykv.errors import FormatError
+from pykv.failures import BlockFailure, Step
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.policy import Kind
 from pykv.reactor import (FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock,
@@ -51,12 +52,9 @@ from pykv.counters import CounterFile
 
 log = logging.getLogger(__name__)
 
-_DISK_STORE_ERRORS = ("mkdir:", "open for write:", "write:", "fsync:", "publish:")
-_NOT_CORRUPTION = ("open:", "read:")
-
 
 def _reactor_takes_slots() -> bool:
-    return "slot" in LoadBlock.__dataclass_fields__ and "resident" in LoadBlock.__dataclass_fields__
+    return "slot" in LoadBlock.__dataclass_fields__
 
 
 @dataclass
@@ -284,7 +282,7 @@ class PykvWorker(OffloadingWorker):
 
     @staticmethod
     def _slot_args(chunk: _Chunk) -> dict:
-        return {} if chunk.slot is None else {"slot": chunk.slot, "resident": chunk.resident}
+        return {} if chunk.slot is None else {"slot": chunk.slot}
 
     def _start(self, job: _Job, blocks: list, owner: str | None = None, urgent: bool = False) -> None:
         with self._lock:
@@ -353,7 +351,7 @@ class PykvWorker(OffloadingWorker):
             try:
                 header = slot_header(self.pool, chunk.slot, block)
             except FormatError as exc:
-                result.failed[index] = exc.reason
+                result.failed[index] = BlockFailure(Step.CHECK, detail=exc.reason)
                 continue
             sizes[index] = header.file_size
             tasks.append(CopyTask(self._payload(chunk.slot, header.payload_length), chunk.group, chunk.gpu_ids,
@@ -459,16 +457,16 @@ class PykvWorker(OffloadingWorker):
                 failed_ids = [int(b) for c in job.chunks[first:] for b in c.gpu_ids]
                 report.failed_loads = [job.chunks[i].key for i in sorted(failed)]
                 for i in sorted(failed):
-                    self._quarantine_if_corrupt(job.chunks[i], result.failed.get(i, "copy failed"))
+                    self._quarantine_if_corrupt(job.chunks[i], result.failed.get(i, BlockFailure(Step.COPY)))
         else:
             self.counters["store_blocks"] += len(job.chunks)
             self.counters["store_published"] += result.published
-            for i, reason in sorted(result.failed.items()):
+            for i, failure in sorted(result.failed.items()):
                 chunk = job.chunks[i]
                 report.failed_stores.append((chunk.key, chunk.slot is not None and i not in job.copy_failed))
                 self.counters["store_blocks_failed"] += 1
-                if reason.startswith(_DISK_STORE_ERRORS):
-                    report.store_error = reason
+                if failure.medium_refuses_stores:
+                    report.store_error = str(failure)
             if report.store_error:
                 self._pause_stores(report.store_error)
             if self.early_release:
@@ -487,18 +485,18 @@ class PykvWorker(OffloadingWorker):
             self._write_stats()
 
     # -- failures --------------------------------------------------------------------------------
-    def _quarantine_if_corrupt(self, chunk: _Chunk, reason: str) -> None:
-        if chunk.resident or reason.startswith(_NOT_CORRUPTION) or reason == "copy failed":
+    def _quarantine_if_corrupt(self, chunk: _Chunk, failure: BlockFailure) -> None:
+        if chunk.resident or not failure.corrupt:
             return
         path = self.tree.block_path(self.namespace.id, chunk.key)
         try:
             target = self.tree.quarantine(path, f"load-{socket.gethostname()}-{os.getpid()}")
-            log.warning("pykv: %s: %s; moved to %s", path, reason, target)
+            log.warning("pykv: %s: %s; moved to %s", path, failure, target)
         except FileNotFoundError:
             return
         except OSError as exc:  # e.g. a planted link at .pykv: never fall back to deleting what may not be ours
             log.warning("pykv: %s: %s; left in place, quarantine failed (%s); `pykv fsck` reports it", path,
-                        reason, exc.strerror or exc)
+                        failure, exc.strerror or exc)
             return
         self.counters["quarantined"] += 1
 

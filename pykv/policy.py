@@ -35,8 +35,7 @@ Rules:
   of the youngest READY preload nobody is using.
 - All loads that became ready in one step are delivered as one batch.
 - A transfer may bring its own slot (a DRAM-tier slot outside the ledger): it then
-  takes none from the ledger and gives none back; a resident load (bytes already
-  in its slot) is ready at once.
+  takes none from the ledger and gives none back.
 """
 
 from __future__ import annotations
@@ -227,26 +226,21 @@ class ReactorPolicy:
             raise ValueError("max_speculative must be >= 0")
 
     # -- events ------------------------------------------------------------------------------
-    def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, resident: bool = False,
-            urgent: bool = False) -> None:
+    def add(self, transfer_id: int, kind: Kind, *, slot: int | None = None, urgent: bool = False) -> None:
         """A new transfer (FIFO within its class).
 
         ``slot``: a slot its caller owns (a DRAM-tier slot); the transfer uses it instead of
-        taking one from the ledger and never releases it. ``resident``: a load whose bytes
-        already sit in ``slot``; it is ready at once and does no I/O. ``urgent`` (a load):
-        ahead of every transfer that is not urgent, FIFO among urgent ones.
+        taking one from the ledger and never releases it. ``urgent`` (a load): ahead of every
+        transfer that is not urgent, FIFO among urgent ones.
         """
         if urgent and kind is not Kind.LOAD:
             raise ValueError("only a load can be urgent")
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id} already exists")
-        if resident and (slot is None or kind is Kind.STORE):
-            raise ValueError("a resident transfer is a load with a slot")
         if kind is Kind.PRELOAD and slot is not None:
             raise ValueError("a preload reads into a staging slot of the ledger, never a caller's slot")
-        stage = Stage.READY if resident else Stage.QUEUED
         order = next(self._urgent_order if urgent else self._order)
-        self._track(Transfer(transfer_id, kind, stage, slot, order))
+        self._track(Transfer(transfer_id, kind, Stage.QUEUED, slot, order))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)
@@ -284,15 +278,6 @@ class ReactorPolicy:
 
     def written(self, transfer_id: int, ok: bool) -> None:
         self._end(self._expect(transfer_id, Stage.WRITING), ok=ok)
-
-    def cancel(self, transfer_id: int) -> bool:
-        """Drop a transfer that holds no in-flight operation; False when it must finish first."""
-        t = self._transfers.get(transfer_id)
-        if t is None or t.stage in (Stage.OPENING, Stage.READING, Stage.FILLING, Stage.WRITING, Stage.DELIVERED):
-            return False
-        self._requeue_joined(t)
-        self._end(t, ok=False, stage=Stage.CANCELLED)
-        return True
 
     def claim(self, preload_id: int, load_id: int) -> bool:
         """Serve new demand load ``load_id`` from preload ``preload_id`` instead of a second read.
@@ -386,14 +371,6 @@ class ReactorPolicy:
     def stage(self, transfer_id: int) -> Stage:
         t = self._transfers.get(transfer_id)
         return t.stage if t else Stage.DONE
-
-    def slot(self, transfer_id: int) -> int | None:
-        return self._transfers[transfer_id].slot
-
-    @property
-    def active(self) -> int:
-        """Transfers not yet finished."""
-        return len(self._transfers)
 
     @property
     def speculative_slots(self) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Hashable, Protocol, Sequence
 
 from pykv.errors import FormatError
+from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, verify_payload
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS
@@ -41,8 +42,6 @@ from pykv.tree import KVTree
 
 log = logging.getLogger(__name__)
 
-_EXPECTED = tuple(os.strerror(e) for e in (errno.ENOENT, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
-                                             errno.EPERM))
 #: O_NONBLOCK: a FIFO planted at a block's name cannot block the open (the fstat after it
 #: then refuses anything but a regular file); regular-file reads ignore it in preadv.
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,7 +57,6 @@ class LoadBlock:
     key: bytes
     geometry: Geometry | None = None  # expected shape; None accepts what the header says
     slot: int | None = None  # a slot the caller owns (DRAM tier) to read into, instead of a pool slot
-    resident: bool = False  # the block already sits in ``slot``: deliver it without I/O
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,7 @@ class JobResult:
     job: object
     kind: Kind
     blocks: int
-    failed: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, BlockFailure] = field(default_factory=dict)
     published: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -325,13 +323,12 @@ class Reactor:
             self._transfers[self._next_id] = _Transfer(state, index, block)
             if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
                 continue
-            resident = isinstance(block, LoadBlock) and block.resident
-            self.policy.add(self._next_id, kind, slot=block.slot, resident=resident, urgent=urgent)
+            self.policy.add(self._next_id, kind, slot=block.slot, urgent=urgent)
 
     # -- preloads --------------------------------------------------------------------------------
     def _add_preloads(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
         for block in blocks:
-            if block.slot is not None or block.resident:
+            if block.slot is not None:
                 raise ValueError(f"{block.path}: a preload reads into a staging slot, not a caller's slot")
             path = os.fspath(block.path)
             tid = self._preloads.get(path)
@@ -358,9 +355,7 @@ class Reactor:
 
         A load into its own (DRAM-tier) slot claims it too: the block is copied from the
         preload's slot into that slot when delivered (``_deliver``), so it is promoted into the
-        DRAM tier without a second read. A resident block needs no preload."""
-        if block.resident:
-            return False
+        DRAM tier without a second read."""
         preload = self._preloads.get(os.fspath(block.path))
         if preload is None:
             return False
@@ -463,7 +458,7 @@ class Reactor:
                 os.close(result)
                 result = -error
         if result < 0:
-            self._fail(t, f"open: {os.strerror(-result)}")
+            self._fail(t, os_failure(Step.OPEN, result))
             self.policy.opened(tid, ok=False)
             return
         t.fd = result
@@ -510,7 +505,7 @@ class Reactor:
     def _on_read(self, tid: int, t: _Transfer, result: int) -> None:
         error = None
         if result < 0:
-            error = f"read: {os.strerror(-result)}"
+            error = os_failure(Step.READ, result)
         else:
             t.done += result
             try:
@@ -527,10 +522,10 @@ class Reactor:
                     verify_payload(t.header, self.pool.payload_view(t.slot, t.header.payload_length),
                                    path=t.block.path)
             except FormatError as exc:
-                error = exc.reason
+                error = BlockFailure(Step.CHECK, detail=exc.reason)
         self._close(t)
         self.stats["disk_read_bytes"] += t.done
-        if error:
+        if error is not None:
             self._fail(t, error)
         else:
             t.read_ok = True
@@ -551,12 +546,12 @@ class Reactor:
         batch = []
         for tid, slot in action.blocks:
             t = self._transfers[tid]
-            if t.header is None:  # resident (DRAM-tier) or preloaded block: check what the slot holds
+            if t.header is None:  # a preloaded block: check what the slot holds
                 t.slot = slot
                 try:
                     t.header = self._check_header(t)
                 except FormatError as exc:
-                    self._fail(t, exc.reason)
+                    self._fail(t, BlockFailure(Step.CHECK, detail=exc.reason))
                     self.policy.consumed(tid)
                     continue
                 t.job.result.bytes += t.header.file_size
@@ -588,7 +583,7 @@ class Reactor:
     def _on_filled(self, tid: int, ok: bool) -> None:
         t = self._transfers[tid]
         if not ok:
-            self._fail(t, "source could not fill the slot")
+            self._fail(t, BlockFailure(Step.FILL, detail="the source could not fill the slot"))
         else:
             self._seal(t)
         self.policy.filled(tid, ok)
@@ -611,7 +606,7 @@ class Reactor:
         try:
             self.tree.ensure_parent(block.path)
         except OSError as exc:
-            self._fail(t, f"mkdir: {exc.strerror}")
+            self._fail(t, os_failure(Step.MKDIR, exc))
             self.policy.written(tid, ok=False)
             return None
         t.temp = self.tree.temp_path(block.path)
@@ -635,7 +630,7 @@ class Reactor:
     def _on_write_opened(self, tid: int, t: _Transfer, result: int) -> None:
         if result < 0:
             t.temp = None  # O_EXCL: nothing of ours was created
-            self._fail(t, f"open for write: {os.strerror(-result)}")
+            self._fail(t, os_failure(Step.OPEN_FOR_WRITE, result))
             self.policy.written(tid, ok=False)
             return
         t.fd = result
@@ -643,7 +638,8 @@ class Reactor:
 
     def _on_wrote(self, tid: int, t: _Transfer, result: int) -> None:
         if result <= 0:
-            self._abandon_write(tid, t, f"write: {os.strerror(-result) if result else 'no progress'}")
+            failure = os_failure(Step.WRITE, result) if result else BlockFailure(Step.WRITE, detail="no progress")
+            self._abandon_write(tid, t, failure)
             return
         t.done += result
         if t.done < t.expected:
@@ -655,7 +651,7 @@ class Reactor:
 
     def _on_synced(self, tid: int, t: _Transfer, result: int) -> None:
         if result < 0:
-            self._abandon_write(tid, t, f"fsync: {os.strerror(-result)}")
+            self._abandon_write(tid, t, os_failure(Step.FSYNC, result))
         else:
             self._publish(tid, t)
 
@@ -667,19 +663,19 @@ class Reactor:
                 t.job.result.published += 1
             t.job.result.bytes += t.expected
         except OSError as exc:
-            self._fail(t, f"publish: {exc.strerror}")
+            self._fail(t, os_failure(Step.PUBLISH, exc))
             self.policy.written(tid, ok=False)
             return
         self.policy.written(tid, ok=True)
 
-    def _abandon_write(self, tid: int, t: _Transfer, reason: str) -> None:
+    def _abandon_write(self, tid: int, t: _Transfer, failure: BlockFailure) -> None:
         self._close(t)
         if t.temp is not None:
             try:
                 os.unlink(t.temp)
             except OSError:
                 pass
-        self._fail(t, reason)
+        self._fail(t, failure)
         self.policy.written(tid, ok=False)
 
     # -- bookkeeping -----------------------------------------------------------------------------
@@ -688,12 +684,11 @@ class Reactor:
             self.backend.submit([IoRequest(OpKind.CLOSE, ("close", None), fd=t.fd)])
             t.fd = -1
 
-    def _fail(self, t: _Transfer, reason: str) -> None:
-        """Record a failed block. Expected conditions (a miss, a full or read-only disk) log at
+    def _fail(self, t: _Transfer, failure: BlockFailure) -> None:
+        """Record a failed block. Expected failures (a miss, a full or read-only disk) log at
         debug level: clients report them once per interval; anything else is a warning."""
-        t.job.result.failed[t.index] = reason
-        level = logging.DEBUG if reason.endswith(_EXPECTED) else logging.WARNING
-        log.log(level, "%s: %s", t.block.path, reason)
+        t.job.result.failed[t.index] = failure
+        log.log(logging.DEBUG if failure.expected else logging.WARNING, "%s: %s", t.block.path, failure)
 
     def _on_finish(self, action: Finish) -> None:
         t = self._transfers.pop(action.transfer)

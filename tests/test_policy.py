@@ -55,7 +55,7 @@ def test_request_larger_than_pool_proceeds_slot_by_slot():
                 delivered.append(tid)
                 policy.consumed(tid)
         held_max = max(held_max, 2 - policy.ledger.free)
-        if policy.active == 0:
+        if all(policy.stage(i) is Stage.DONE for i in range(total)):
             break
     assert sorted(delivered) == list(range(total))
     assert held_max <= 2
@@ -123,7 +123,7 @@ def test_failures_release_slot_and_finish_not_ok(stage):
         policy.read_done(0, ok=False)
     assert Finish(0, False) in policy.step()
     assert policy.ledger.free == 4
-    assert policy.active == 0
+    assert policy.stage(0) is Stage.DONE
 
 
 def test_only_one_speculative_preload_at_a_time():
@@ -158,16 +158,6 @@ def test_demand_loads_open_before_preloads():
     assert [a.transfer for a in of(policy.step(), Open)] == [1]
 
 
-def test_cancel_queued_and_refuse_in_flight():
-    policy = make(ahead=1)
-    policy.add(0, Kind.LOAD)
-    policy.add(1, Kind.LOAD)
-    policy.step()
-    assert policy.cancel(0) is False  # opening: must complete first
-    assert policy.cancel(1) is True
-    assert Finish(1, False) in policy.step()
-
-
 def test_events_in_the_wrong_stage_are_refused():
     policy = make()
     policy.add(0, Kind.LOAD)
@@ -189,16 +179,6 @@ def test_a_transfer_with_its_own_slot_takes_none_from_the_ledger():
     assert policy.ledger.free == 2  # nothing went back to the ledger either
 
 
-def test_resident_load_is_delivered_without_io():
-    policy = make()
-    policy.add(0, Kind.LOAD, slot=2, resident=True)
-    actions = policy.step()
-    assert not of(actions, Open) and not of(actions, Read)
-    assert of(actions, Deliver)[0].blocks == ((0, 2),)
-    with pytest.raises(ValueError):
-        policy.add(1, Kind.LOAD, resident=True)
-
-
 def _index_matches_a_scan(policy: ReactorPolicy) -> None:
     """Every live transfer sits in exactly its (stage, category) bucket, in FIFO order."""
     scanned: dict = {}
@@ -210,7 +190,7 @@ def _index_matches_a_scan(policy: ReactorPolicy) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_stage_index_stays_exact_under_random_events(seed):
-    """Loads, stores, preloads, claims, releases, cancels and failures in random order."""
+    """Loads, stores, preloads, claims, releases and failures in random order."""
     import random
     rng = random.Random(seed)
     policy = ReactorPolicy(SlotLedger(6), io_depth=2, open_ahead=3, max_speculative=2)
@@ -227,8 +207,6 @@ def test_stage_index_stays_exact_under_random_events(seed):
             policy.claim(rng.choice(preloads), next(ids))
         elif r < 0.25 and preloads:
             policy.release(rng.choice(preloads))
-        elif r < 0.28 and policy._transfers:
-            policy.cancel(rng.choice(list(policy._transfers)))
         for action in policy.step():
             if isinstance(action, (Open, Read, Fill, Write)):
                 in_flight.append(action)

@@ -238,15 +238,3 @@ def test_a_dram_tier_load_claims_the_preload_and_copies_it_and_preloads_never_us
     reactor.release_preloads("A")
     until(lambda: reactor.policy.speculative_slots == 0)  # the preload's staging slot is free again
     until(lambda: reactor.pool.ledger.free == 4)
-
-
-def test_a_resident_dram_block_never_claims_a_preload(rig):
-    tree, reactor, backend, sink, source = rig(slots=6, reserved=2)
-    store(tree, reactor, source, [key(1)])
-    reactor.submit_load("fill", load_blocks(tree, [key(1)], slot=5))
-    assert reactor.wait_for("fill", timeout=30).ok
-    reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
-    until(lambda: reactor.policy.speculative_slots == 1)
-    reactor.submit_load("hit", load_blocks(tree, [key(1)], slot=5, resident=True), owner="B")
-    assert reactor.wait_for("hit", timeout=30).ok
-    assert reactor.stats["preloads_claimed"] == 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
 import pytest
 
 from pykv.blockfile import check_block
+from pykv.failures import BlockFailure, Step
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.probe import open_backend
 from pykv.namespace import Namespace
@@ -122,9 +124,10 @@ def test_missing_and_corrupt_blocks_fail_only_those_indices(rig):
     reactor.submit_load("l", load)
     result = reactor.wait_for("l", timeout=30)
     assert set(result.failed) == {1, 2, 4}
-    assert "checksum" in result.failed[1]
-    assert "truncated" in result.failed[2]
-    assert "No such file" in result.failed[4]
+    assert result.failed[1].corrupt and "checksum" in str(result.failed[1])
+    assert result.failed[2].corrupt and "truncated" in str(result.failed[2])
+    assert result.failed[4] == BlockFailure(Step.OPEN, errno.ENOENT, os.strerror(errno.ENOENT))
+    assert "No such file" in str(result.failed[4]) and not result.failed[4].corrupt
     assert set(sink.payloads) == {0, 3}
     assert reactor.pool.ledger.free == 3
 
@@ -159,7 +162,7 @@ def test_block_under_wrong_name_is_rejected(rig):
     os.replace(a.path, b.path)  # block 0's bytes under block 1's name
     reactor.submit_load("l", [b])
     result = reactor.wait_for("l", timeout=30)
-    assert "another block key" in result.failed[0]
+    assert result.failed[0].corrupt and "another block key" in str(result.failed[0])
 
 
 def test_jobs_from_many_threads(rig):

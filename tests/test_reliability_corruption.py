@@ -159,7 +159,7 @@ def test_damaged_block_is_a_failed_load_an_fsck_finding_and_then_a_miss(tmp_path
         loaded = rig.load(keys, [GEOMETRY] * 3)
         assert list(loaded.result.failed) == [1], loaded.result.failed  # only the damaged block fails ...
         assert sorted(loaded.delivered) == [0, 2] and not loaded.mismatched  # ... and never reaches the sink
-        assert not loaded.result.failed[1].endswith(MISS)
+        assert loaded.result.failed[1].corrupt and not str(loaded.result.failed[1]).endswith(MISS)
 
         if problem == "misplaced":  # a sound file, but not this name's block
             header = check_block(victim, full=True).header
@@ -175,7 +175,8 @@ def test_damaged_block_is_a_failed_load_an_fsck_finding_and_then_a_miss(tmp_path
         assert len(list((rig.tree.state_dir / "quarantine").rglob("*.kv"))) == 1
 
         again = rig.load(keys, [GEOMETRY] * 3)
-        assert list(again.result.failed) == [1] and again.result.failed[1].endswith(MISS)
+        assert list(again.result.failed) == [1] and str(again.result.failed[1]).endswith(MISS)
+        assert not again.result.failed[1].corrupt  # a miss: nothing left to quarantine
         assert fsck(rig.tree, grace_s=0).clean
 
 
@@ -188,7 +189,7 @@ def test_a_sound_block_of_another_geometry_is_refused_on_load(tmp_path, backend)
         other = Geometry(tokens=512, segments=2, segment_bytes=6000)
         write_block(rig.tree, NS.id, key, other, payload_of(key, other.payload_length))
         loaded = rig.load([key], [GEOMETRY])
-        assert "geometry" in loaded.result.failed[0] and not loaded.delivered
+        assert "geometry" in str(loaded.result.failed[0]) and loaded.result.failed[0].corrupt and not loaded.delivered
 
 
 def test_verify_header_only_is_the_documented_exception(tmp_path):

@@ -56,7 +56,8 @@ def test_full_disk_fails_stores_cleanly_and_they_resume_when_space_returns(small
         stored = [k for k, r in zip(keys, results) if r.ok and r.published]
         failed = [k for k, r in zip(keys, results) if not r.ok]
         assert stored and failed, [r.failed for r in results]
-        assert all("No space left on device" in r for res in results for r in res.failed.values())
+        assert all("No space left on device" in str(r) for res in results for r in res.failed.values())
+        assert all(r.medium_refuses_stores and r.expected for res in results for r in res.failed.values())
         assert_clean(rig.tree.root)
 
         loaded = rig.load(stored, [GEOMETRY] * len(stored))  # serving goes on from the full disk
@@ -77,7 +78,8 @@ def test_read_only_tree_serves_loads_and_refuses_stores_without_leftovers(small_
         remount(small_disk, "ro")
         try:
             refused = rig.store(keys[2:], [GEOMETRY]).result
-            assert not refused.ok and "Read-only file system" in refused.failed[0]
+            assert not refused.ok and "Read-only file system" in str(refused.failed[0])
+            assert refused.failed[0].medium_refuses_stores and refused.failed[0].expected
             loaded = rig.load(keys[:2], [GEOMETRY] * 2)
             assert loaded.result.ok and not loaded.mismatched
         finally:

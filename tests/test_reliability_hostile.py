@@ -60,7 +60,7 @@ def test_a_pickle_payload_is_moved_as_bytes_and_never_unpickled(tmp_path):
         rig.path(key_of(2)).write_bytes(data * 100)
         loaded = rig.load([key, key_of(2)])
         assert loaded.delivered[0] == data  # raw bytes, as KV
-        assert "bad magic" in loaded.result.failed[1]
+        assert "bad magic" in str(loaded.result.failed[1]) and loaded.result.failed[1].corrupt
         check_block(rig.path(key))
         report = fsck(rig.tree, grace_s=0)
         assert [f.problem.value for f in report.findings] == ["bad-header"]
@@ -188,7 +188,9 @@ def test_a_planted_symlink_fails_the_load_with_eloop_and_no_store_goes_through_i
         before = sorted(str(p) for p in (tmp_path / "outside").rglob("*"))
 
         loaded = rig.load([key], [GEOMETRY])
-        assert loaded.result.failed == {0: f"open: {ELOOP}"} and not loaded.delivered  # ... but never read
+        failed = {i: str(f) for i, f in loaded.result.failed.items()}
+        assert failed == {0: f"open: {ELOOP}"} and not loaded.delivered  # ... but never read
+        assert not loaded.result.failed[0].corrupt  # a link is not a corrupt block: nothing to quarantine
 
         neighbour = key[:2] + key_of(5, salt="x")[2:]  # same shard directories as ``key``
         assert rig.path(neighbour).parent == final.parent
@@ -198,7 +200,8 @@ def test_a_planted_symlink_fails_the_load_with_eloop_and_no_store_goes_through_i
             assert not rig.tree.contains(NS.id, key)  # and a lookup never takes the link for a block
         else:
             assert set(stored.result.failed) == {0, 1} and stored.result.published == 0
-            assert all(ELOOP in reason for reason in stored.result.failed.values()), stored.result.failed
+            assert all(ELOOP in str(reason) for reason in stored.result.failed.values()), stored.result.failed
+            assert all(reason.medium_refuses_stores for reason in stored.result.failed.values())
     assert sorted(str(p) for p in (tmp_path / "outside").rglob("*")) == before  # nothing written outside
     assert intact(target, (content, atime))
 

@@ -7,6 +7,7 @@ pure function of its key and length, so any process can check any block it loads
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import stat
@@ -17,6 +18,7 @@ from pathlib import Path
 import xxhash
 
 from pykv.blockfile import encode_block
+from pykv.failures import BlockFailure, Step
 from pykv.format import Geometry
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.namespace import Namespace
@@ -63,12 +65,17 @@ class Outcome:
 
     @property
     def misses(self) -> list[int]:
-        return [i for i, reason in self.result.failed.items() if reason.endswith(MISS)]
+        return [i for i, failure in self.result.failed.items() if is_miss(failure)]
 
     @property
-    def errors(self) -> dict[int, str]:
+    def errors(self) -> dict[int, BlockFailure]:
         """Failures that are not plain misses."""
-        return {i: r for i, r in self.result.failed.items() if not r.endswith(MISS)}
+        return {i: f for i, f in self.result.failed.items() if not is_miss(f)}
+
+
+def is_miss(failure: BlockFailure) -> bool:
+    """The block's file is not (or no longer) there."""
+    return failure.step is Step.OPEN and failure.errno == errno.ENOENT
 
 
 class Rig:
