@@ -207,7 +207,7 @@ def test_a_load_half_in_dram_copies_that_half_at_once_and_reads_only_the_rest(ri
     assert worker.reactor.stats["delivered_blocks"] - before["delivered_blocks"] == 1
     assert worker.reactor.stats["disk_reads"] - before["disk_reads"] == 1
     assert worker.counters["load_blocks_dram"] == 2 and worker.counters["load_blocks_disk"] == 1
-    assert not worker._jobs  # the job and both parts are gone
+    assert worker.store.open_jobs == 0  # the job and both parts are gone
 
 
 def test_a_split_load_reports_failures_at_their_place_in_the_job(rig):
@@ -460,3 +460,20 @@ def test_a_corrupt_block_is_left_in_place_when_a_planted_link_blocks_its_quarant
     assert failed == set(range(20, 28)) and report.failed_loads == [ks[0]]
     assert path.exists() and worker.counters["quarantined"] == 0
     assert list(outside.iterdir()) == []
+
+
+def test_every_load_job_counts_its_wall_time_and_bytes_from_dram_and_from_disk(rig):
+    """``load_job_us`` / ``load_job_max_us`` / ``load_job_bytes``: what the H200 benchmark reads."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=15)
+    store_through_dram(manager, worker, kv, ks, ctx, 2)
+    manager.dram.drop(ks[1])  # the second block loads from disk
+    worker.submit_load(2, manager.prepare_load(ks[:1], ctx), GPULoadStoreSpec(list(range(40, 44)), [4], [0]))
+    run(worker, 2)
+    worker.submit_load(3, manager.prepare_load(ks[1:2], ctx), GPULoadStoreSpec(list(range(44, 48)), [4], [0]))
+    run(worker, 3)
+    block = worker.counters["dram_delivered_bytes"]
+    assert block > 0 and worker.counters["load_job_bytes"] == 2 * block  # one block from DRAM, one from disk
+    assert worker.counters["load_jobs"] == 2
+    assert 0 < worker.counters["load_job_max_us"] <= worker.counters["load_job_us"]

@@ -1,0 +1,326 @@
+"""``BlockStore``: a worker's blocks from submission to their end, on one medium.
+
+The one place that assembles the core for a process that moves blocks: the tree
+(the medium), the staging pool with its DRAM-tier slots, the I/O backend and the
+reactor (``build_reactor``). It keeps a pure ``JobLedger`` (``pykv.jobledger``) of
+every job and carries out what the ledger decides:
+
+- a load's DRAM-tier blocks are served from their slots without I/O (each slot's
+  header checked, all blocks to the client as one copy batch), its other blocks go
+  through the reactor; a job with both is split and ends when both parts have;
+- a store ends for its client once its blocks are sealed in DRAM-tier slots (early
+  release), or when its files are published;
+- a corrupt file is quarantined; a store the medium refused pauses stores
+  (``StorePause``) for ``store_retry_interval``, with one warning per pause.
+
+The client (the vLLM worker, or any engine) implements ``StoreClient``: it copies
+between its memory and the slots (``to_slots``/``from_slots``) and hears how each
+job ended (``job_ended``, ``store_released``). All failures are typed
+(``BlockFailure``). No vLLM and no torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol, Sequence
+
+from pykv.config import PykvConfig
+from pykv.errors import FormatError
+from pykv.failures import BlockFailure, Step, os_failure
+from pykv.format import Geometry
+from pykv.io.probe import direct_io_supported, open_backend
+from pykv.jobledger import JobEnd, JobLedger, Part, Release
+from pykv.namespace import Namespace
+from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
+    backend_depth, slot_header
+from pykv.residency import StorePause
+from pykv.staging import StagingPool
+from pykv.tree import KVTree, TreeOptions
+from pykv.counters import WorkerCounter as C
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What the engine knows and the configuration does not."""
+
+    namespace: Namespace
+    slot_bytes: int
+    transient_slots: int  # staging slots for reads, writes and preloads
+    dram_slots: int = 0  # DRAM-tier slots (0: no tier)
+    rank: int = 0
+    early_release: bool = False  # a store through DRAM slots ends once sealed in them (one worker only)
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block of a job: its key, its shape, and its DRAM-tier slot (``0..dram_slots-1``)
+    if it has one; ``resident``: a load whose bytes already sit in that slot."""
+
+    key: bytes
+    geometry: Geometry | None = None
+    dram_slot: int | None = None
+    resident: bool = False
+
+
+@dataclass(frozen=True)
+class SlotCopy:
+    """Copy ``length`` payload bytes of block ``index`` of ``job`` to or from ``slot``."""
+
+    job: object
+    index: int
+    slot: int
+    length: int
+    token: object = None  # the store's handle: hand the copy back unchanged
+
+
+CopyDone = Callable[[SlotCopy, bool], None]
+
+
+class StoreClient(Protocol):
+    def to_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
+        """Store: put each block's payload into its slot; ``done(copy, ok)`` once per copy, any thread."""
+
+    def from_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
+        """Load: copy each slot's payload out (one batch); ``done(copy, ok)`` once per copy, any thread."""
+
+    def job_ended(self, end: JobEnd) -> None:
+        """A job ended (any thread); ``end.released``: the client already had it (``store_released``)."""
+
+    def store_released(self, release: Release) -> None:
+        """A store may be considered finished now; its writes go on (reactor thread)."""
+
+
+def build_reactor(config: PykvConfig, pool: StagingPool, tree: KVTree, *, client: object,
+                  on_job_done: Callable[[JobResult], None]) -> Reactor:
+    """The I/O backend and the reactor for ``config`` (the one place either is built for a store)."""
+    direct, why = direct_io_supported(config.root)
+    if not direct:
+        log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", config.root, why)
+    reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify, direct,
+                                   max_speculative=config.preload_max_bytes // pool.slot_bytes,
+                                   read_segment=config.read_segment_bytes)
+    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes),
+                           directory=config.root)
+    return Reactor(backend, pool, tree, config=reactor_config, sink=client, source=client, on_job_done=on_job_done)
+
+
+class BlockStore:
+    """Jobs of blocks on one medium, with a DRAM tier; see the module docstring. Thread-safe."""
+
+    def __init__(self, config: PykvConfig, engine: EngineShape, client: StoreClient, *,
+                 register: Callable[[int, int], None] | None = None, unregister: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.engine, self.client, self._clock = config, engine, client, clock
+        self.namespace = engine.namespace
+        self.ledger = JobLedger(early_release=engine.early_release)
+        self.counters: Counter[str] = self.ledger.counters
+        self.pause = StorePause(config.store_retry_interval, extend=True)
+        self.tree = KVTree.create(config.root, TreeOptions(config.file_mode, config.dir_mode, config.fsync))
+        try:
+            self.tree.ensure_namespace(self.namespace)
+        except OSError as exc:
+            self._pause_stores(os_failure(Step.MKDIR, exc))
+        self.dram_base, self.dram_slots = engine.transient_slots, engine.dram_slots
+        self.pool = StagingPool(engine.slot_bytes, engine.transient_slots + engine.dram_slots,
+                                reserved=engine.dram_slots, register=register, unregister=unregister)
+        self._lock = threading.Condition()
+        self._stopped = False
+        self.reactor = build_reactor(config, self.pool, self.tree, client=self, on_job_done=self._reactor_job_done)
+
+    # -- jobs ----------------------------------------------------------------------------------
+    def submit_load(self, job: object, blocks: Sequence[BlockRef], *, owner: Hashable | None = None,
+                    urgent: bool = False) -> None:
+        """Load ``blocks``: DRAM-tier blocks from their slots, the rest through the reactor (a block
+        being preloaded for ``owner`` is served by its preload). ``urgent``: ahead of all other work."""
+        slots = [self._pool_slot(b.dram_slot) for b in blocks]
+        with self._lock:
+            parts = self.ledger.open_load(job, [b.key for b in blocks], slots, [b.resident for b in blocks],
+                                          self._clock())
+        if urgent:
+            self.counters[C.LOAD_JOBS_EXPEDITED] += 1
+        for part in parts:
+            loads = [self._load_block(blocks[i], slots[i]) for i in part.indices]
+            if part.from_dram:
+                self._serve_from_dram(part, loads)
+            else:
+                self.reactor.submit_load(part.id, loads, owner=owner, urgent=urgent)
+
+    def submit_store(self, job: object, blocks: Sequence[BlockRef]) -> bool:
+        """Store ``blocks``; False (nothing submitted, ``job_ended`` not called) while stores are paused."""
+        if self.pause.active(self._clock()):
+            self.counters[C.STORE_BLOCKS_PAUSED] += len(blocks)
+            return False
+        slots = [self._pool_slot(b.dram_slot) for b in blocks]
+        with self._lock:
+            part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
+        self.reactor.submit_store(part.id, [
+            StoreBlock(self.tree.block_path(self.namespace.id, b.key), self.namespace.fingerprint, b.key,
+                       b.geometry, **({"slot": s} if s is not None else {})) for b, s in zip(blocks, slots)])
+        return True
+
+    def submit_preloads(self, owner: Hashable, keys: Sequence[bytes]) -> None:
+        """Read these blocks ahead for ``owner`` (a request still waiting); its load claims them."""
+        self.counters[C.PRELOAD_BLOCKS_PLANNED] += len(keys)
+        self.reactor.submit_preload(owner, [self._load_block(BlockRef(k), None) for k in keys])
+
+    def release_preloads(self, owner: Hashable) -> None:
+        self.reactor.release_preloads(owner)
+
+    def wait_engine_blocks(self, jobs: Sequence[object]) -> None:
+        """Block until the engine may reuse these jobs' blocks: a load's once it ends, a store's once
+        every block is copied into a host slot (its write may still run)."""
+        with self._lock:
+            while self.ledger.holds_engine_blocks(jobs):
+                self._lock.wait(1.0)
+
+    @property
+    def open_jobs(self) -> int:
+        with self._lock:
+            return self.ledger.open_jobs
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters and the reactor's (``delivered_*`` include the DRAM fast path's)."""
+        stats = {**self.counters, **self.reactor.stats}
+        for key in (C.DELIVERED_BLOCKS, C.DELIVERED_BYTES):
+            stats[key] = stats.get(key, 0) + self.counters[f"dram_{key}"]
+        return stats
+
+    def stop_io(self) -> None:
+        """Finish the I/O in flight and stop the reactor (the client's copies may still end)."""
+        if not self._stopped:
+            self._stopped = True
+            self.reactor.close()
+
+    def close(self) -> None:
+        """Stop the reactor and free the staging memory (after the client's copier stopped)."""
+        self.stop_io()
+        self.pool.close()
+
+    # -- the DRAM tier -------------------------------------------------------------------------
+    def _pool_slot(self, dram_slot: int | None) -> int | None:
+        """The pool slot of a DRAM-tier slot (None: none, or one outside this worker's tier)."""
+        if dram_slot is None or not 0 <= dram_slot < self.dram_slots:
+            return None
+        return self.dram_base + dram_slot
+
+    def _load_block(self, block: BlockRef, slot: int | None) -> LoadBlock:
+        return LoadBlock(self.tree.block_path(self.namespace.id, block.key), self.namespace.fingerprint, block.key,
+                         block.geometry, **({"slot": slot} if slot is not None else {}))
+
+    def _serve_from_dram(self, part: Part, blocks: list[LoadBlock]) -> None:
+        """Blocks sitting in their DRAM-tier slots: no I/O, so no reactor. Each slot's header is
+        checked here and every block goes to the client as one batch (one batched copy on CUDA).
+        The slots are safe to read: the scheduler pinned these keys until the load completes."""
+        failed, sizes, copies = {}, {}, []
+        for index, block in enumerate(blocks):
+            try:
+                header = slot_header(self.pool, block.slot, block)
+            except FormatError as exc:
+                failed[index] = BlockFailure(Step.CHECK, detail=exc.reason)
+                continue
+            sizes[index] = header.file_size
+            with self._lock:
+                job, job_index = self.ledger.locate(part.id, index)
+            copies.append(SlotCopy(job, job_index, block.slot, header.payload_length, token=index))
+        copy_failed: set[int] = set()
+        remaining = [len(copies)]
+
+        def copied(copy: SlotCopy, ok: bool) -> None:  # the client's copy thread, or this one
+            with self._lock:
+                if not ok:
+                    copy_failed.add(copy.token)
+                    self.ledger.copy_failed(part.id, copy.token)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._dram_part_done(part, failed, sizes, copy_failed)
+
+        if copies:
+            self.client.from_slots(copies, copied)
+        else:
+            self._dram_part_done(part, failed, sizes, copy_failed)
+
+    def _dram_part_done(self, part: Part, failed: dict[int, BlockFailure], sizes: dict[int, int],
+                        copy_failed: set[int]) -> None:
+        delivered = [size for index, size in sizes.items() if index not in copy_failed]
+        self.counters[C.DRAM_DELIVERED_BLOCKS] += len(delivered)
+        self.counters[C.DRAM_DELIVERED_BYTES] += sum(delivered)
+        self._part_ended(part.id, failed, sum(delivered))
+
+    # -- the reactor's callbacks (reactor thread) -------------------------------------------------
+    def fill(self, requests: list[FillRequest]) -> None:
+        with self._lock:
+            located = [self.ledger.locate(r.job, r.index) for r in requests]
+        self.client.to_slots([SlotCopy(job, index, r.slot, r.length, token=r)
+                              for (job, index), r in zip(located, requests)], self._filled)
+
+    def _filled(self, copy: SlotCopy, ok: bool) -> None:
+        request: FillRequest = copy.token
+        with self._lock:
+            if self.ledger.filled(request.job, request.index, ok, request.length):
+                self._lock.notify_all()
+        self.reactor.filled(request.transfer, ok)
+
+    def staged(self, part: object, index: int) -> None:
+        """Block ``index`` of a store is whole in its slot, header included."""
+        with self._lock:
+            release = self.ledger.staged(part, self._clock())
+        if release is not None:
+            self.client.store_released(release)
+
+    def deliver(self, blocks: list[ReadyBlock]) -> None:
+        with self._lock:
+            located = [self.ledger.locate(b.job, b.index) for b in blocks]
+        self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, token=b)
+                                for (job, index), b in zip(located, blocks)], self._delivered)
+
+    def _delivered(self, copy: SlotCopy, ok: bool) -> None:
+        block: ReadyBlock = copy.token
+        if not ok:
+            with self._lock:
+                self.ledger.copy_failed(block.job, block.index)
+        self.reactor.consumed(block.transfer)
+
+    def _reactor_job_done(self, result: JobResult) -> None:
+        self._part_ended(result.job, result.failed, result.bytes, result.published)
+
+    # -- ends ----------------------------------------------------------------------------------
+    def _part_ended(self, part: object, failed: dict[int, BlockFailure], nbytes: int, published: int = 0) -> None:
+        with self._lock:
+            end = self.ledger.part_ended(part, failed, nbytes, self._clock(), published)
+        if end is None:
+            return
+        for index in end.quarantine:
+            self._quarantine(end.keys[index], end.failures[index])
+        if end.pause is not None:
+            self._pause_stores(end.pause)
+        with self._lock:
+            self._lock.notify_all()
+        self.client.job_ended(end)
+
+    def _quarantine(self, key: bytes, failure: BlockFailure) -> None:
+        path = self.tree.block_path(self.namespace.id, key)
+        try:
+            target = self.tree.quarantine(path, f"load-{socket.gethostname()}-{os.getpid()}")
+            log.warning("pykv: %s: %s; moved to %s", path, failure, target)
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # e.g. a planted link at .pykv: never fall back to deleting what may not be ours
+            log.warning("pykv: %s: %s; left in place, quarantine failed (%s); `pykv fsck` reports it", path,
+                        failure, exc.strerror or exc)
+            return
+        self.counters[C.QUARANTINED] += 1
+
+    def _pause_stores(self, failure: BlockFailure) -> None:
+        if self.pause.begin(self._clock()):
+            log.warning("pykv worker %d: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
+                        self.engine.rank, self.config.root, failure, self.config.store_retry_interval)
+            self.counters[C.STORE_PAUSES] += 1

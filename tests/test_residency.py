@@ -1,0 +1,134 @@
+"""DramResidency and StorePause: the scheduler's DRAM-slot ledger, pure (no vLLM, no torch, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pykv.residency import DramResidency, StorePause, Tier
+
+A, B, C = b"a" * 36, b"b" * 36, b"c" * 36
+
+
+def stored(residency: DramResidency, *keys: bytes) -> list[int]:
+    slots = [residency.begin_store(k) for k in keys]
+    residency.store_completed(keys)
+    return slots
+
+
+def test_a_completed_store_is_a_hit_and_its_slot_unpinned_without_early_release():
+    r = DramResidency(2)
+    assert r.holds(A) is False
+    slot = r.begin_store(A)
+    assert slot is not None and r.holds(A) and r.slot_of(A) is None  # pending: not a hit yet
+    r.store_completed([A])
+    assert r.slot_of(A) == slot and r.index.entry(A).pins == 0 and r.pending_stores == 0
+
+
+def test_a_dram_hit_is_pinned_until_its_load_ends():
+    r = DramResidency(2)
+    slot, = stored(r, A)
+    assert r.pin_hit(A) == slot and r.index.entry(A).pins == 1
+    assert r.pin_hit(B) is None
+    r.loads_ended([A])
+    assert r.index.entry(A).pins == 0 and r.slot_of(A) == slot
+
+
+def test_a_promotion_is_pinned_and_becomes_a_hit_when_its_load_ends_unless_it_failed():
+    r = DramResidency(2)
+    slot = r.promotion_slot(A)
+    assert slot is not None and r.slot_of(A) is None and r.index.entry(A).pins == 1
+    assert r.promotion_slot(A) is None  # already has an entry
+    r.loads_ended([A])
+    assert r.slot_of(A) == slot and r.index.entry(A).pins == 0
+    r.promotion_slot(B)
+    r.load_failed(B)
+    r.loads_ended([B])
+    assert r.slot_of(B) is None and B not in r.index
+    assert DramResidency(0).promotion_slot(A) is None
+
+
+def test_early_release_keeps_the_slot_pinned_until_the_write_ends():
+    r = DramResidency(2, early_release=True)
+    slot, = stored(r, A)
+    assert r.slot_of(A) == slot and r.index.entry(A).pins == 1 and r.writing == {A}
+    r.write_ended(A)
+    assert r.index.entry(A).pins == 0 and not r.writing and r.slot_of(A) == slot
+
+
+def test_a_write_that_ends_before_the_store_completes_unpins_at_completion():
+    r = DramResidency(2, early_release=True)
+    r.begin_store(A)
+    r.write_ended(A)
+    assert r.ended_before_completion == {A}
+    r.store_completed([A])
+    assert r.index.entry(A).pins == 0 and r.slot_of(A) is not None
+    assert not r.writing and not r.ended_before_completion
+
+
+def test_a_key_forgotten_while_written_misses_but_keeps_its_slot_until_the_write_ends():
+    r = DramResidency(2, early_release=True)
+    slot, = stored(r, A)
+    r.load_failed(A)
+    assert r.slot_of(A) is None and A in r.index  # a miss, the slot still taken
+    r.loads_ended([A])  # the failed load's completion does not make it a hit again
+    assert r.slot_of(A) is None
+    assert r.begin_store(B) != slot and r.begin_store(C) is None  # the written slot is never handed out
+    r.write_ended(A)
+    assert A not in r.index and r.index.free_slots == 1
+
+
+def test_a_failed_store_forgets_its_entry_unless_the_slot_holds_the_block():
+    r = DramResidency(2)
+    r.begin_store(A)
+    r.begin_store(B)
+    r.store_failed(A, dram_ok=True)
+    r.store_failed(B, dram_ok=False)
+    assert A in r.index and B not in r.index
+    r.store_completed([A, B], success=False)
+    assert A not in r.index and r.pending_stores == 0
+
+
+def test_a_cache_reset_keeps_slots_in_flight_taken_until_flushed_and_written():
+    r = DramResidency(3, early_release=True)
+    stored(r, A)  # written from its slot still
+    r.begin_store(B)  # a store in flight
+    stored(r, C)
+    r.write_ended(C)  # idle: forgotten at once
+    r.reset()
+    assert all(r.slot_of(k) is None for k in (A, B, C)) and C not in r.index
+    assert r.index.free_slots == 1
+    r.store_failed(B, dram_ok=False)  # a fenced key's report changes nothing before the flush
+    r.reset_flushed()
+    assert B not in r.index and A in r.index  # A's write still reads its slot
+    r.write_ended(A)
+    assert A not in r.index and r.index.free_slots == 3
+
+
+def test_a_fenced_promotion_is_not_committed_by_its_late_completion():
+    r = DramResidency(2)
+    r.promotion_slot(A)
+    r.reset()
+    r.loads_ended([A])
+    assert r.slot_of(A) is None and r.holds(A)  # neither a hit nor stored again until the flush
+    r.reset_flushed()
+    assert not r.holds(A)
+
+
+def test_store_pause_starts_once_and_ends_after_its_interval():
+    pause = StorePause(10.0)
+    assert not pause.active(0.0)
+    assert pause.begin(5.0) is True and pause.active(14.9)
+    assert pause.begin(8.0) is False  # already paused: one warning per pause, not extended
+    assert not pause.active(15.0)
+    extending = StorePause(10.0, extend=True)
+    extending.begin(5.0)
+    assert extending.begin(8.0) is False and extending.active(17.0) and not extending.active(18.0)
+
+
+def test_tier_names_are_the_strings_the_gate_and_vllm_use():
+    assert Tier.DRAM == "dram" and Tier.DISK == "disk"
+
+
+def test_the_ledgers_and_the_store_import_neither_vllm_nor_torch():
+    from pure_imports import assert_imports_neither_vllm_nor_torch
+    assert_imports_neither_vllm_nor_torch("pykv.residency", "pykv.jobledger", "pykv.store", "pykv.tiers")
