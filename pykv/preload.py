@@ -14,7 +14,7 @@ drop. Bounds:
   behind it, so the queue order is kept).
 - what vLLM would load: the keys of the request's leading run of hits (vLLM
   loads a maximal prefix), and of those only the ones served from disk
-  (``tier_of`` says ``"disk"``; DRAM-tier hits need no read).
+  (``tier_of`` says ``Tier.DISK``; DRAM-tier hits need no read).
 
 Requests sharing a prefix share keys: a key is planned once and reference
 counted, and the worker reads it once.
@@ -26,7 +26,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
-TierOf = Callable[[bytes], "str | None"]
+from pykv.residency import Tier
+
+TierOf = Callable[[bytes], "Tier | None"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class PreloadPlanner:
             tier = tier_of(key)
             if tier is None:
                 break
-            if tier == "disk":
+            if tier == Tier.DISK:
                 out.append(key)
         return tuple(out)
 
