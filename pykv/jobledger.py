@@ -51,7 +51,7 @@ class Part:
     from_dram: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Release:
     """A store the engine may consider finished now (its writes go on)."""
 

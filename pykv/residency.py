@@ -83,6 +83,10 @@ class DramResidency:
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def pending_stores(self) -> int:
+        return len(self._pending_stores)
+
     def slot_of(self, key: Key) -> int | None:
         """The slot of a DRAM hit (a valid entry), else None."""
         return self.index.lookup(key)
@@ -91,19 +95,10 @@ class DramResidency:
         """Whether ``key`` is in the tier (any state) or being stored: a store of it is skipped."""
         return key in self._pending_stores or key in self.index
 
-    @property
-    def pending_stores(self) -> int:
-        return len(self._pending_stores)
-
-    @property
-    def writing(self) -> frozenset:
-        """Keys whose slot a worker still writes a file from (after the engine has the store)."""
-        return frozenset(self._writing)
-
-    @property
-    def ended_before_completion(self) -> frozenset:
-        """Keys whose write ended before the engine completed their store."""
-        return frozenset(self._ended)
+    def writes(self) -> tuple[frozenset, frozenset]:
+        """Early-released writes: (keys whose slot a worker still writes a file from after the
+        engine has the store, keys whose write ended before the engine completed their store)."""
+        return frozenset(self._writing), frozenset(self._ended)
 
     # -- loads ---------------------------------------------------------------------------------
     def pin_hit(self, key: Key) -> int | None:

@@ -339,7 +339,7 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig):
     reactor._start_write = start_write
     reactor._post(lambda: reactor.backend.submit([start_write(tid) for tid in held]))
     settle_stores(manager, worker, ks)
-    assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writing
+    assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writes()[0]
     assert all(worker.tree.contains(worker.namespace.id, k) for k in ks)
     assert worker.counters["store_jobs_released_early"] == 1 and worker.counters["store_published"] == 3
 
@@ -358,7 +358,7 @@ def test_a_write_that_ends_before_vllm_completes_the_store_unpins_at_completion(
     manager.on_worker_report(report)  # the end of the writes first ...
     manager.complete_store(ks, ctx)  # ... then vLLM's completion
     assert all(manager.dram.entry(k).pins == 0 and manager.dram.lookup(k) is not None for k in ks)
-    assert not manager.residency.writing and not manager.residency.ended_before_completion
+    assert manager.residency.writes() == (set(), set())
 
 
 def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(rig):
@@ -370,7 +370,7 @@ def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(r
     out = manager.prepare_store(ks, ctx)
     slots = set(out.store_spec.dram_slots)
     manager.complete_store(ks, ctx)  # early release: the writes have not ended
-    assert manager.residency.writing == set(ks)
+    assert manager.residency.writes()[0] == set(ks)
     spec = manager.prepare_load(ks[:1], ctx)  # a DRAM load of the first block fails ...
     assert spec.resident == (True,)
     report = WorkerReport()

@@ -50,19 +50,19 @@ def test_a_promotion_is_pinned_and_becomes_a_hit_when_its_load_ends_unless_it_fa
 def test_early_release_keeps_the_slot_pinned_until_the_write_ends():
     r = DramResidency(2, early_release=True)
     slot, = stored(r, A)
-    assert r.slot_of(A) == slot and r.index.entry(A).pins == 1 and r.writing == {A}
+    assert r.slot_of(A) == slot and r.index.entry(A).pins == 1 and r.writes()[0] == {A}
     r.write_ended(A)
-    assert r.index.entry(A).pins == 0 and not r.writing and r.slot_of(A) == slot
+    assert r.index.entry(A).pins == 0 and not r.writes()[0] and r.slot_of(A) == slot
 
 
 def test_a_write_that_ends_before_the_store_completes_unpins_at_completion():
     r = DramResidency(2, early_release=True)
     r.begin_store(A)
     r.write_ended(A)
-    assert r.ended_before_completion == {A}
+    assert r.writes()[1] == {A}
     r.store_completed([A])
     assert r.index.entry(A).pins == 0 and r.slot_of(A) is not None
-    assert not r.writing and not r.ended_before_completion
+    assert r.writes() == (set(), set())
 
 
 def test_a_key_forgotten_while_written_misses_but_keeps_its_slot_until_the_write_ends():
