@@ -1,30 +1,18 @@
 """``PykvManager``: the scheduler-side half of pykv (vLLM's ``OffloadingManager``).
 
-Called from the engine core's scheduler loop only (one thread). It answers
-lookups from the DRAM index and the file tree (rank 0's namespace), hands the
-worker plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``, and decides every
-DRAM slot assignment itself (deterministically, like vLLM's CPU tier assigns CPU
-chunk ids) so the worker processes need no shared state.
+A translator, called from the engine core's scheduler loop only (one thread): it
+answers vLLM's lookups from the DRAM tier and the file tree (rank 0's namespace),
+turns ``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s
+into events of ``pykv.residency.DramResidency`` (the pure ledger that decides every
+DRAM slot assignment, so the worker processes need no shared state), and hands
+the workers plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``.
 
 Truth about the disk is the disk: a key is a disk hit only when its final file
 exists, which happens only after a worker published it. Failures come back from
-the workers as ``WorkerReport``s (``on_worker_report``) no later than the job's
-completion, so a key whose load failed is forgotten before vLLM retries the
-request and the retry misses instead of looping.
-
-Early release (one worker): a store whose blocks all have DRAM slots ends, for
-vLLM, as soon as the blocks are in those slots; ``complete_store`` then makes them
-DRAM hits at once, and keeps each slot pinned while the worker still writes the
-file from it, until the worker's ``stores_ended`` says the write is over (either
-message may come first).
-
-Cache reset (``reset_cache``): the DRAM tier is forgotten at once, but a slot that a
-transfer in flight still writes or reads (a pending store or promotion, a DRAM hit
-being copied, an early-released write) stays taken, invalidated, until the workers
-are done with it: until ``on_reset_flushed`` (vLLM reports every job in flight at
-the reset finished; 33+, and pykv's connector backports it to older vLLM) and, for
-a slot a file is still written from, the worker's ``stores_ended``. A fenced key is
-neither stored nor promoted again meanwhile, so each end report names one transfer.
+the workers no later than the job's completion (``on_worker_report`` is called
+before vLLM's ``complete_*`` of the same step), so a key whose load failed is
+forgotten before vLLM retries the request and the retry misses instead of looping.
+A store the medium refused pauses stores here too (``StorePause``).
 """
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ class BlockStore:
     def stats(self) -> dict[str, int]:
         """The store's counters and the reactor's (``delivered_*`` include the DRAM fast path's)."""
         stats = {**self.counters, **self.reactor.stats}
-        for key in (C.DELIVERED_BLOCKS, C.DELIVERED_BYTES):
-            stats[key] = stats.get(key, 0) + self.counters[f"dram_{key}"]
+        for total, from_dram in ((C.DELIVERED_BLOCKS, C.DRAM_DELIVERED_BLOCKS), (C.DELIVERED_BYTES, C.DRAM_DELIVERED_BYTES)):
+            stats[total] = stats.get(total, 0) + self.counters[from_dram]
         return stats
 
     def stop_io(self) -> None:
