@@ -26,8 +26,8 @@ from pykv.calibration import BreakEvenGate
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
+from pykv.store import open_tree
 from pykv.tiers import DramIndex
-from pykv.tree import KVTree, TreeOptions
 
 from pykv.connector import compat
 from pykv.connector.compat import (
@@ -55,7 +55,7 @@ class PykvManager(OffloadingManager):
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
         self.namespace = namespace_for(config, rank=0)
-        self.tree = KVTree.create(pykv.root, TreeOptions(pykv.file_mode, pykv.dir_mode, pykv.fsync))
+        self.tree = open_tree(pykv)
         try:
             self.tree.ensure_namespace(self.namespace)
         except OSError as exc:  # a read-only tree can still serve loads

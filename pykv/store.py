@@ -98,6 +98,11 @@ class StoreClient(Protocol):
         """A store may be considered finished now; its writes go on (reactor thread)."""
 
 
+def open_tree(config: PykvConfig) -> KVTree:
+    """The tree at ``config.root`` with the configured modes (the scheduler opens it for lookups too)."""
+    return KVTree.create(config.root, TreeOptions(config.file_mode, config.dir_mode, config.fsync))
+
+
 def build_reactor(config: PykvConfig, pool: StagingPool, tree: KVTree, *, client: object,
                   on_job_done: Callable[[JobResult], None]) -> Reactor:
     """The I/O backend and the reactor for ``config`` (the one place either is built for a store)."""
@@ -123,7 +128,7 @@ class BlockStore:
         self.ledger = JobLedger(early_release=engine.early_release)
         self.counters: Counter[str] = self.ledger.counters
         self.pause = StorePause(config.store_retry_interval, extend=True)
-        self.tree = KVTree.create(config.root, TreeOptions(config.file_mode, config.dir_mode, config.fsync))
+        self.tree = open_tree(config)
         try:
             self.tree.ensure_namespace(self.namespace)
         except OSError as exc:
