@@ -25,20 +25,15 @@ and no torch (times come from the caller's clock).
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from pykv.counters import WorkerCounter as C
 from pykv.failures import BlockFailure, Step
+from pykv.policy import Kind  # a job's kind: LOAD or STORE (PRELOAD is the reactor's own)
 
 COPY_FAILED = BlockFailure(Step.COPY)
-
-
-class Kind(enum.Enum):
-    LOAD = "load"
-    STORE = "store"
 
 
 @dataclass(frozen=True)
