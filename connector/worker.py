@@ -35,6 +35,7 @@ import torch
 
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step
+from pykv.media import PosixMedium
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.policy import Kind
 from pykv.reactor import (FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock,
@@ -120,7 +121,7 @@ class PykvWorker(OffloadingWorker):
         direct, why = direct_io_supported(pykv.root)
         if not direct:
             log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", pykv.root, why)
-        reactor_config = ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify, direct,
+        reactor_config = ReactorConfig(pykv.io_depth, pykv.open_ahead, pykv.verify,
                                        max_speculative=pykv.preload_max_bytes // self.pool.slot_bytes,
                                        read_segment=pykv.read_segment_bytes)
         backend = open_backend(pykv.io_engine, depth=backend_depth(reactor_config, self.pool.slot_bytes),
@@ -134,7 +135,7 @@ class PykvWorker(OffloadingWorker):
         self._stats_file = CounterFile(f"worker{self.rank}")
         self._stats_lock = threading.Lock()
         self.early_release = early_release_enabled(config)
-        self.reactor = Reactor(backend, self.pool, self.tree,
+        self.reactor = Reactor(backend, self.pool, PosixMedium(self.tree, direct=direct),
                                config=reactor_config,
                                sink=self, source=self, on_job_done=self._on_job_done)
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
