@@ -113,6 +113,19 @@ def test_an_abandoned_write_leaves_nothing(medium):
     assert list(location.parent.iterdir()) == []
 
 
+def test_lookup_sees_published_blocks_only_and_touch_stamps_them(medium, tmp_path):
+    location = medium.locate(NS.id, KEY)
+    assert not medium.contains(NS.id, KEY) and medium.touch(location) is False
+    location.parent.mkdir(parents=True)
+    location.symlink_to(tmp_path / "elsewhere")
+    assert not medium.contains(NS.id, KEY)  # a link is no block
+    location.unlink()
+    location.write_bytes(b"block")
+    os.utime(location, (1, 1))
+    assert medium.contains(NS.id, KEY) and medium.touch(location)
+    assert location.stat().st_atime > 1 and location.stat().st_mtime == 1
+
+
 def test_quarantine_moves_the_block_and_never_deletes(medium):
     location = medium.locate(NS.id, KEY)
     location.parent.mkdir(parents=True)

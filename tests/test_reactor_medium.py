@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 from pathlib import Path
@@ -98,6 +99,12 @@ class DictMedium(Medium):
     def locate(self, namespace_id: str, key: bytes) -> Path:
         return Path("mem", namespace_id, key.hex())
 
+    def contains(self, namespace_id: str, key: bytes) -> bool:
+        return str(self.locate(namespace_id, key)) in self.store.files
+
+    def touch(self, location: Path) -> bool:
+        return str(location) in self.store.files
+
     def open_for_read(self, location: Path) -> OpenSpec:
         return OpenSpec(os.fsencode(location), os.O_RDONLY)
 
@@ -160,13 +167,19 @@ def keys(count: int) -> list[bytes]:
     return [bytes([i]) * 20 for i in range(count)]
 
 
-def test_a_store_and_a_load_run_through_a_dict_backed_medium(memory_reactor):
+def reactor_log(caplog) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pykv.reactor"]
+
+
+def test_a_store_and_a_load_run_through_a_dict_backed_medium(memory_reactor, caplog):
+    caplog.set_level(logging.DEBUG, logger="pykv.reactor")
     reactor, medium, store, client = memory_reactor
     stores = [StoreBlock(medium.locate(NS.id, k), NS.fingerprint, k, GEOMETRY) for k in keys(4)]
     reactor.submit_store("s", stores)
     stored = reactor.wait_for("s", timeout=30)
     assert stored.ok and stored.published == 4
     assert sorted(store.files) == sorted(str(b.path) for b in stores)  # published, no temporary left
+    assert all(medium.contains(NS.id, k) for k in keys(4))
     assert not store.handles  # every handle closed through the backend
 
     loads = [LoadBlock(b.path, b.namespace, b.key, GEOMETRY) for b in stores]
@@ -175,9 +188,11 @@ def test_a_store_and_a_load_run_through_a_dict_backed_medium(memory_reactor):
     loaded = reactor.wait_for("l", timeout=30)
     assert client.payloads == {i: pattern(i) for i in range(4)}
     assert loaded.failed == {4: BlockFailure(Step.OPEN, errno.ENOENT, os.strerror(errno.ENOENT))}
+    assert reactor_log(caplog) == [(logging.DEBUG, f"{loads[4].path}: open: {os.strerror(errno.ENOENT)}")]  # a miss
 
 
-def test_the_reactor_checks_what_the_medium_returns_and_never_replaces_a_block(memory_reactor):
+def test_the_reactor_checks_what_the_medium_returns_and_never_replaces_a_block(memory_reactor, caplog):
+    caplog.set_level(logging.DEBUG, logger="pykv.reactor")
     reactor, medium, store, client = memory_reactor
     stores = [StoreBlock(medium.locate(NS.id, k), NS.fingerprint, k, GEOMETRY) for k in keys(2)]
     reactor.submit_store("s", stores)
@@ -193,3 +208,4 @@ def test_the_reactor_checks_what_the_medium_returns_and_never_replaces_a_block(m
     loaded = reactor.wait_for("l", timeout=30)
     assert list(loaded.failed) == [1] and loaded.failed[1].corrupt and "checksum" in str(loaded.failed[1])
     assert client.payloads == {0: pattern(0)}
+    assert [level for level, message in reactor_log(caplog)] == [logging.WARNING]  # corruption is no routine miss

@@ -4,8 +4,8 @@ The reactor schedules; a medium knows where a block lives and how to reach it. E
 I/O that moves bytes (open, read, write, fsync, close) still runs on the reactor's I/O
 backend; the medium says *how* to open a block (``OpenSpec``: the path and flags the
 backend's OPEN takes), checks what an open returned, and carries out the synchronous
-steps around a store (directories, temporary name, publication, abandon) and the
-quarantine of a corrupt block.
+steps around a store (directories, temporary name, publication, abandon), the
+quarantine of a corrupt block, and the scheduler's lookup and access stamp.
 
 A block is named by its *location*, a ``Path`` the medium hands out (``locate``); every
 other call takes a location back. A medium over several roots or devices (a striped set)
@@ -52,6 +52,14 @@ class Medium(abc.ABC):
     @abc.abstractmethod
     def locate(self, namespace_id: str, key: bytes) -> Path:
         """The location of block ``key`` of namespace ``namespace_id`` (nothing is created)."""
+
+    @abc.abstractmethod
+    def contains(self, namespace_id: str, key: bytes) -> bool:
+        """Whether the block is published (the scheduler's lookup: cheap, no read; a link is no block)."""
+
+    @abc.abstractmethod
+    def touch(self, location: Path) -> bool:
+        """Stamp a block as used now (eviction by ``pykv gc`` goes by it); False when it is gone."""
 
     @abc.abstractmethod
     def open_for_read(self, location: Path) -> OpenSpec:

@@ -43,6 +43,12 @@ class PosixMedium(Medium):
     def locate(self, namespace_id: str, key: bytes) -> Path:
         return self.tree.block_path(namespace_id, key)
 
+    def contains(self, namespace_id: str, key: bytes) -> bool:
+        return self.tree.contains(namespace_id, key)
+
+    def touch(self, location: Path) -> bool:
+        return self.tree.touch(location)
+
     def open_for_read(self, location: Path) -> OpenSpec:
         path, resolve = self._beneath_root(location)
         return OpenSpec(path, READ_FLAGS | self._direct, resolve=resolve)
