@@ -26,7 +26,7 @@ from pykv.calibration import BreakEvenGate
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
-from pykv.store import open_tree
+from pykv.store import open_store_medium, open_tree
 from pykv.tiers import DramIndex
 
 from pykv.connector import compat
@@ -56,6 +56,7 @@ class PykvManager(OffloadingManager):
         self.config, self.pykv, self._clock = config, pykv, clock
         self.namespace = namespace_for(config, rank=0)
         self.tree = open_tree(pykv)
+        self.medium = open_store_medium(self.tree)  # lookups and access stamps only
         try:
             self.tree.ensure_namespace(self.namespace)
         except OSError as exc:  # a read-only tree can still serve loads
@@ -101,7 +102,7 @@ class PykvManager(OffloadingManager):
         """Where a load of ``key`` would come from now (None: a miss)."""
         if self.residency.slot_of(key) is not None:
             return Tier.DRAM
-        return Tier.DISK if self.tree.contains(self.namespace.id, key) else None
+        return Tier.DISK if self.medium.contains(self.namespace.id, key) else None
 
     def gate_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
         """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
@@ -135,7 +136,7 @@ class PykvManager(OffloadingManager):
                 self.counters[Metric.HITS_DRAM] += 1
             else:
                 tiers[key] = Tier.DISK
-                self.tree.touch(self.tree.block_path(self.namespace.id, key))
+                self.medium.touch(self.medium.locate(self.namespace.id, key))
                 self.counters[Metric.HITS_DISK] += 1
                 slot = _slot_or_none(self.residency.promotion_slot(key))
             slots.append(slot)
@@ -174,7 +175,7 @@ class PykvManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         to_store, slots = [], []
         for key in keys:
-            if self.residency.holds(key) or self.tree.contains(self.namespace.id, key):
+            if self.residency.holds(key) or self.medium.contains(self.namespace.id, key):
                 # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
                 self.counters[Metric.STORE_SKIPPED] += 1
                 continue

@@ -27,6 +27,7 @@ from typing import Callable
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
 from pykv.io.probe import open_backend
+from pykv.media import open_medium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, StoreBlock, backend_depth
 from pykv.staging import StagingPool, slot_bytes_for
@@ -122,11 +123,10 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
     pool = StagingPool(slot_bytes_for(payload), depth * 2)
     source = _ZeroSource()
     config = ReactorConfig(io_depth=depth, open_ahead=2 * depth, verify=verify, read_segment=read_segment)
-    reactor = Reactor(open_backend(engine, depth=backend_depth(config, pool.slot_bytes)), pool, tree, source=source,
-                      config=config)
-    source.reactor = reactor
+    reactor = source.reactor = _assemble(engine, tree, pool, config, source)
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size)]
-    stores = [StoreBlock(tree.block_path(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
+    medium = reactor.medium
+    stores = [StoreBlock(medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
     loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
     try:
         name = f"pykv reactor files ({reactor.backend.name}"
@@ -144,6 +144,12 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
         reactor.close()
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _assemble(engine: str, tree: KVTree, pool: StagingPool, config: ReactorConfig, source: _ZeroSource) -> Reactor:
+    """The reactor over ``tree``'s POSIX medium with I/O backend ``engine`` (O_DIRECT, as the bench measures)."""
+    backend = open_backend(engine, depth=backend_depth(config, pool.slot_bytes))
+    return Reactor(backend, pool, open_medium("posix", tree, direct=True), config=config, source=source)
 
 
 def _timed(reactor: Reactor, job: str, blocks: list) -> "object":

@@ -1,8 +1,8 @@
 """``BlockStore``: a worker's blocks from submission to their end, on one medium.
 
 The one place that assembles the core for a process that moves blocks: the tree
-(the medium), the staging pool with its DRAM-tier slots, the I/O backend and the
-reactor (``build_reactor``). It keeps a pure ``JobLedger`` (``pykv.jobledger``) of
+and its medium (``pykv.media``), the staging pool with its DRAM-tier slots, the I/O
+backend and the reactor (``build_reactor``). It keeps a pure ``JobLedger`` (``pykv.jobledger``) of
 every job and carries out what the ledger decides:
 
 - a load's DRAM-tier blocks are served from their slots without I/O (each slot's
@@ -36,6 +36,7 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import Geometry
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.jobledger import JobEnd, JobLedger, Part, Release
+from pykv.media import Medium, open_medium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
@@ -99,22 +100,28 @@ class StoreClient(Protocol):
 
 
 def open_tree(config: PykvConfig) -> KVTree:
-    """The tree at ``config.root`` with the configured modes (the scheduler opens it for lookups too)."""
+    """The tree at ``config.root`` with the configured modes."""
     return KVTree.create(config.root, TreeOptions(config.file_mode, config.dir_mode, config.fsync))
+
+
+def open_store_medium(tree: KVTree, *, direct: bool = False) -> Medium:
+    """The medium blocks live on (the scheduler opens it for lookups too); ``direct``: O_DIRECT I/O."""
+    return open_medium("posix", tree, direct=direct)
 
 
 def build_reactor(config: PykvConfig, pool: StagingPool, tree: KVTree, *, client: object,
                   on_job_done: Callable[[JobResult], None]) -> Reactor:
-    """The I/O backend and the reactor for ``config`` (the one place either is built for a store)."""
+    """The medium, the I/O backend and the reactor for ``config`` (the one place they are built for a store)."""
     direct, why = direct_io_supported(config.root)
     if not direct:
         log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", config.root, why)
-    reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify, direct,
+    reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
                                    read_segment=config.read_segment_bytes)
     backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes),
                            directory=config.root)
-    return Reactor(backend, pool, tree, config=reactor_config, sink=client, source=client, on_job_done=on_job_done)
+    return Reactor(backend, pool, open_store_medium(tree, direct=direct), config=reactor_config, sink=client,
+                   source=client, on_job_done=on_job_done)
 
 
 class BlockStore:
@@ -139,6 +146,7 @@ class BlockStore:
         self._lock = threading.Condition()
         self._stopped = False
         self.reactor = build_reactor(config, self.pool, self.tree, client=self, on_job_done=self._reactor_job_done)
+        self.medium = self.reactor.medium
 
     # -- jobs ----------------------------------------------------------------------------------
     def submit_load(self, job: object, blocks: Sequence[BlockRef], *, owner: Hashable | None = None,
@@ -167,7 +175,7 @@ class BlockStore:
         with self._lock:
             part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
         self.reactor.submit_store(part.id, [
-            StoreBlock(self.tree.block_path(self.namespace.id, b.key), self.namespace.fingerprint, b.key,
+            StoreBlock(self.medium.locate(self.namespace.id, b.key), self.namespace.fingerprint, b.key,
                        b.geometry, **({"slot": s} if s is not None else {})) for b, s in zip(blocks, slots)])
         return True
 
@@ -217,7 +225,7 @@ class BlockStore:
         return self.dram_base + dram_slot
 
     def _load_block(self, block: BlockRef, slot: int | None) -> LoadBlock:
-        return LoadBlock(self.tree.block_path(self.namespace.id, block.key), self.namespace.fingerprint, block.key,
+        return LoadBlock(self.medium.locate(self.namespace.id, block.key), self.namespace.fingerprint, block.key,
                          block.geometry, **({"slot": slot} if slot is not None else {}))
 
     def _serve_from_dram(self, part: Part, blocks: list[LoadBlock]) -> None:
@@ -312,9 +320,9 @@ class BlockStore:
         self.client.job_ended(end)
 
     def _quarantine(self, key: bytes, failure: BlockFailure) -> None:
-        path = self.tree.block_path(self.namespace.id, key)
+        path = self.medium.locate(self.namespace.id, key)
         try:
-            target = self.tree.quarantine(path, f"load-{socket.gethostname()}-{os.getpid()}")
+            target = self.medium.quarantine(path, f"load-{socket.gethostname()}-{os.getpid()}")
             log.warning("pykv: %s: %s; moved to %s", path, failure, target)
         except FileNotFoundError:
             return

@@ -15,6 +15,7 @@ import pytest
 from pykv.format import Geometry
 from pykv.io.backend import IoBackend, IoRequest, OpKind
 from pykv.io.probe import open_backend
+from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
 from pykv.staging import StagingPool, slot_bytes_for
@@ -113,7 +114,7 @@ def rig(tmp_path):
         pool = StagingPool(slot_bytes_for(GEOMETRY.payload_length), slots, reserved=reserved)
         backend = CountingBackend(open_backend("threadpool", depth=64))
         sink, source = Sink(), Source()
-        reactor = Reactor(backend, pool, tree, sink=sink, source=source,
+        reactor = Reactor(backend, pool, PosixMedium(tree), sink=sink, source=source,
                           config=ReactorConfig(io_depth=depth, open_ahead=4, max_speculative=max_speculative))
         sink.reactor = source.reactor = reactor
         made.append((reactor, pool))

@@ -12,6 +12,7 @@ from pykv.blockfile import check_block
 from pykv.failures import BlockFailure, Step
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.probe import open_backend
+from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
 from pykv.staging import StagingPool, slot_bytes_for
@@ -68,7 +69,7 @@ def rig(request, tmp_path):
     assert backend.name == engine
     config = ReactorConfig(io_depth=2, open_ahead=4, read_segment=segment)
     assert config.requests_per_read(pool.slot_bytes) == (1 if not segment else -(-pool.slot_bytes // segment))
-    reactor = Reactor(backend, pool, tree, config=config, sink=sink, source=source)
+    reactor = Reactor(backend, pool, PosixMedium(tree), config=config, sink=sink, source=source)
     source.reactor = sink.reactor = reactor
     yield tree, reactor, sink
     reactor.close()
@@ -136,8 +137,8 @@ def test_header_only_verification_accepts_a_payload_flip(tmp_path):
     tree = KVTree.create(tmp_path)
     pool = StagingPool(slot_bytes_for(GEOMETRY.payload_length), 2)
     sink, source = CopySink(), PatternSource()
-    reactor = Reactor(open_backend("auto"), pool, tree, config=ReactorConfig(verify="header"), sink=sink,
-                      source=source)
+    reactor = Reactor(open_backend("auto"), pool, PosixMedium(tree), config=ReactorConfig(verify="header"),
+                      sink=sink, source=source)
     sink.reactor = source.reactor = reactor
     try:
         reactor.submit_store("s", blocks(tree, 1))
@@ -196,8 +197,8 @@ def test_segmented_reads_issue_one_request_per_piece(tmp_path):
         sizes.extend(r.length for r in requests if r.op.name == "READ")
         submit(requests)
     backend.submit = counting_submit
-    reactor = Reactor(backend, pool, tree, config=ReactorConfig(io_depth=2, open_ahead=4, read_segment=4096),
-                      sink=sink, source=source)
+    reactor = Reactor(backend, pool, PosixMedium(tree),
+                      config=ReactorConfig(io_depth=2, open_ahead=4, read_segment=4096), sink=sink, source=source)
     sink.reactor = source.reactor = reactor
     try:
         reactor.submit_store("s", blocks(tree, 1))
@@ -217,7 +218,8 @@ def test_bad_segment_settings_are_refused(tmp_path, segment, depth, message):
     backend = open_backend("threadpool", depth=depth)
     try:
         with pytest.raises(ValueError, match=message):
-            Reactor(backend, pool, KVTree.create(tmp_path), config=ReactorConfig(io_depth=2, read_segment=segment))
+            Reactor(backend, pool, PosixMedium(KVTree.create(tmp_path)),
+                    config=ReactorConfig(io_depth=2, read_segment=segment))
     finally:
         backend.close()
         pool.close()

@@ -21,6 +21,7 @@ from pykv.blockfile import encode_block
 from pykv.failures import BlockFailure, Step
 from pykv.format import Geometry
 from pykv.io.probe import direct_io_supported, open_backend
+from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
 from pykv.staging import StagingPool, slot_bytes_for
@@ -95,9 +96,9 @@ class Rig:
         self._jobs: dict[object, tuple[list[bytes], Outcome]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.reactor = Reactor(open_backend(backend, depth=4 * (io_depth + 4) + 8), self.pool, self.tree,
-                               config=ReactorConfig(io_depth=io_depth, open_ahead=io_depth, verify=verify,
-                                                    direct=direct),
+        self.reactor = Reactor(open_backend(backend, depth=4 * (io_depth + 4) + 8), self.pool,
+                               PosixMedium(self.tree, direct=direct),
+                               config=ReactorConfig(io_depth=io_depth, open_ahead=io_depth, verify=verify),
                                sink=self, source=self)
 
     # -- reactor callbacks ---------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The medium contract: what the reactor asks of the storage that holds block files.
+
+The reactor schedules; a medium knows where a block lives and how to reach it. Every
+I/O that moves bytes (open, read, write, fsync, close) still runs on the reactor's I/O
+backend; the medium says *how* to open a block (``OpenSpec``: the path and flags the
+backend's OPEN takes), checks what an open returned, and carries out the synchronous
+steps around a store (directories, temporary name, publication, abandon), the
+quarantine of a corrupt block, and the scheduler's lookup and access stamp.
+
+A block is named by its *location*, a ``Path`` the medium hands out (``locate``); every
+other call takes a location back. A medium over several roots or devices (a striped set)
+maps each (namespace, key) to one of them in ``locate`` and routes the other calls by the
+location's root. Failures are ``OSError``s with an errno; the reactor turns them into a
+``BlockFailure`` of the step it was doing.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class OpenSpec:
+    """How the I/O backend opens one file: ``IoRequest(OpKind.OPEN, path=..., flags=..., mode=..., resolve=...)``."""
+
+    path: bytes
+    flags: int
+    mode: int = 0
+    resolve: int = 0  # openat2 RESOLVE_* flags (pykv.io.openat2); 0: a plain open
+
+
+@dataclass(frozen=True)
+class WriteTarget:
+    """A store's temporary file: its location and how the backend opens it (exclusive create)."""
+
+    temp: Path
+    open: OpenSpec
+
+
+class Medium(abc.ABC):
+    """Where block files live. Called from the reactor thread only (``quarantine``: any thread)."""
+
+    name: str = "abstract"
+
+    @property
+    @abc.abstractmethod
+    def sync_before_publish(self) -> bool:
+        """Stores fsync the written file before ``publish`` (the durability option)."""
+
+    @abc.abstractmethod
+    def locate(self, namespace_id: str, key: bytes) -> Path:
+        """The location of block ``key`` of namespace ``namespace_id`` (nothing is created)."""
+
+    @abc.abstractmethod
+    def contains(self, namespace_id: str, key: bytes) -> bool:
+        """Whether the block is published (the scheduler's lookup: cheap, no read; a link is no block)."""
+
+    @abc.abstractmethod
+    def touch(self, location: Path) -> bool:
+        """Stamp a block as used now (eviction by ``pykv gc`` goes by it); False when it is gone."""
+
+    @abc.abstractmethod
+    def open_for_read(self, location: Path) -> OpenSpec:
+        """How to open a block for reading: never through a link, never blocking on a planted FIFO."""
+
+    @abc.abstractmethod
+    def check_opened(self, fd: int) -> int:
+        """The opened block's size; ``OSError`` when it is not a regular file (a FIFO, device or
+        directory planted at its name) or cannot be examined. The fd stays open either way."""
+
+    @abc.abstractmethod
+    def prepare_write(self, location: Path) -> WriteTarget:
+        """Create what a store of ``location`` needs (directories) and name its temporary file;
+        ``OSError`` when the medium refuses (no space, read-only, a link planted on the way)."""
+
+    @abc.abstractmethod
+    def publish(self, temp: Path, location: Path) -> bool:
+        """Make the written ``temp`` the block at ``location`` without ever replacing what is there;
+        ``temp`` is gone afterwards. False when another writer published it first."""
+
+    @abc.abstractmethod
+    def abandon(self, temp: Path) -> None:
+        """Remove the temporary file of a failed store (best effort, never raises)."""
+
+    @abc.abstractmethod
+    def quarantine(self, location: Path, run: str) -> Path:
+        """Move a corrupt block out of the cache, keeping it for inspection; return where it went.
+        ``FileNotFoundError`` when it is already gone; never deletes."""

@@ -1,0 +1,119 @@
+"""The reactor's store steps: the source fills a slot, the reactor seals it (header in front of
+the payload), writes it to the medium's temporary file and has the medium publish it.
+
+A mixin of ``Reactor`` (reactor thread only): it shares the reactor's transfers, policy,
+pool, backend and medium.
+"""
+
+from __future__ import annotations
+
+from pykv.failures import BlockFailure, Step, os_failure
+from pykv.format import HEADER_SIZE, build_header, encode_header
+from pykv.io.backend import IoRequest, OpKind
+from pykv.policy import Fill
+from pykv.reactor_types import FillRequest, StoreBlock, TransferState
+
+
+class StoreSteps:
+    """Stores; see ``pykv.reactor`` for the whole picture."""
+
+    def _request_fill(self, action: Fill) -> None:
+        t = self._transfers[action.transfer]
+        t.slot = action.slot
+        request = FillRequest(action.transfer, t.job.result.job, t.index, action.slot,
+                              t.block.geometry.payload_length)
+        if self.source is None:
+            self._on_filled(action.transfer, False)
+        else:
+            self.source.fill([request])
+
+    def _on_filled(self, tid: int, ok: bool) -> None:
+        t = self._transfers[tid]
+        if not ok:
+            self._fail(t, BlockFailure(Step.FILL, detail="the source could not fill the slot"))
+        else:
+            self._seal(t)
+        self.policy.filled(tid, ok)
+        if ok and self._staged is not None:
+            self._staged(t.job.result.job, t.index)
+
+    def _seal(self, t: TransferState) -> None:
+        """Put the header of a filled store block into its slot: the slot now holds the whole block."""
+        block = t.block
+        payload = self.pool.payload_view(t.slot, block.geometry.payload_length)
+        t.header = build_header(block.namespace, block.key, block.geometry, payload)
+        encode_header(t.header, self.pool.view(t.slot))
+        t.expected = t.header.file_size
+
+    def _start_write(self, tid: int) -> IoRequest | None:
+        """The open of the block's temporary file (None when the medium refused the store)."""
+        t = self._transfers[tid]
+        block = t.block
+        assert isinstance(block, StoreBlock) and t.header is not None  # sealed in _on_filled
+        self._zero_padding(t)
+        try:
+            target = self.medium.prepare_write(block.path)
+        except OSError as exc:
+            self._fail(t, os_failure(Step.MKDIR, exc))
+            self.policy.written(tid, ok=False)
+            return None
+        t.temp, spec = target.temp, target.open
+        return IoRequest(OpKind.OPEN, ("wopen", tid), path=spec.path, flags=spec.flags, mode=spec.mode,
+                         resolve=spec.resolve)
+
+    def _zero_padding(self, t: TransferState) -> None:
+        start = HEADER_SIZE + t.header.payload_length
+        view = self.pool.view(t.slot)
+        view[start:t.expected] = bytes(t.expected - start)
+
+    def _write_request(self, tid: int, t: TransferState) -> IoRequest:
+        return IoRequest(OpKind.WRITE, ("write", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
+                         length=t.expected - t.done, offset=t.done)
+
+    def _on_write_opened(self, tid: int, t: TransferState, result: int) -> None:
+        if result < 0:
+            t.temp = None  # an exclusive create: nothing of ours was created
+            self._fail(t, os_failure(Step.OPEN_FOR_WRITE, result))
+            self.policy.written(tid, ok=False)
+            return
+        t.fd = result
+        self.backend.submit([self._write_request(tid, t)])
+
+    def _on_wrote(self, tid: int, t: TransferState, result: int) -> None:
+        if result <= 0:
+            failure = os_failure(Step.WRITE, result) if result else BlockFailure(Step.WRITE, detail="no progress")
+            self._abandon_write(tid, t, failure)
+            return
+        t.done += result
+        if t.done < t.expected:
+            self.backend.submit([self._write_request(tid, t)])
+        elif self.medium.sync_before_publish:
+            self.backend.submit([IoRequest(OpKind.FSYNC, ("fsync", tid), fd=t.fd)])
+        else:
+            self._publish(tid, t)
+
+    def _on_synced(self, tid: int, t: TransferState, result: int) -> None:
+        if result < 0:
+            self._abandon_write(tid, t, os_failure(Step.FSYNC, result))
+        else:
+            self._publish(tid, t)
+
+    def _publish(self, tid: int, t: TransferState) -> None:
+        self._close(t)
+        assert t.temp is not None
+        try:
+            if self.medium.publish(t.temp, t.block.path):
+                t.job.result.published += 1
+            t.job.result.bytes += t.expected
+        except OSError as exc:
+            self._fail(t, os_failure(Step.PUBLISH, exc))
+            self.policy.written(tid, ok=False)
+            return
+        self.policy.written(tid, ok=True)
+
+    def _abandon_write(self, tid: int, t: TransferState, failure: BlockFailure) -> None:
+        self._close(t)
+        if t.temp is not None:
+            self.medium.abandon(t.temp)
+        self._fail(t, failure)
+        self.policy.written(tid, ok=False)
