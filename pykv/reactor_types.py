@@ -19,7 +19,7 @@ from pykv.staging import StagingPool
 
 @dataclass(frozen=True)
 class LoadBlock:
-    """One block to load: its final path and what its header must say."""
+    """One block to load: its location (``Medium.locate``) and what its header must say."""
 
     path: Path
     namespace: bytes
@@ -30,7 +30,7 @@ class LoadBlock:
 
 @dataclass(frozen=True)
 class StoreBlock:
-    """One block to store: where it goes and the shape of the payload the source will fill."""
+    """One block to store: its location (``Medium.locate``) and the shape of the payload the source fills."""
 
     path: Path
     namespace: bytes
