@@ -1,4 +1,4 @@
-"""``pykv calibrate``: measure where loading beats recomputing (``pykv.connector.calibrate``), write the file."""
+"""``pykv calibrate``: measure where loading beats recomputing (``pykv.jobs.calibrate``), write the file."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def calibrate_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Measure recompute and cache-hit TTFT per length and tier; write the break-even calibration file."""
-    from pykv.connector.calibrate import CalibrationRun, run_calibration
+    from pykv.jobs.calibrate import CalibrationRun, run_calibration
 
     tier_list = parse_tiers(tiers)
     plot_path = None if no_plot else (plot or out.with_suffix(".png"))
