@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import check_new_root, parse_pairs, warn
+from pykv.commands.output import check_new_root, parse_settings, warn
 from pykv.config import PykvConfig
 from pykv.jobs.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
@@ -46,7 +46,7 @@ def serve_command(
     if root is None:
         raise InputError("--root: missing (or set PYKV_ROOT)")
     check_new_root(root)
-    extra = {"root": str(root), **parse_pairs("--set", settings or [])}
+    extra = {"root": str(root), **parse_settings(settings or [])}
     if dram is not None:
         extra["dram_bytes"] = dram
     if block_tokens < 1:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
-    parse_engine_args, parse_pairs, table, warn)
+    parse_engine_args, parse_settings, table, warn)
 from pykv.config import PykvConfig
 from pykv.jobs.serve import check_vllm_args
 from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
@@ -53,7 +53,7 @@ def warm_command(
     check_new_root(root)
     for line in bad:
         warn(f"skipped {line}")
-    extra = parse_pairs("--set", settings or [])
+    extra = parse_settings(settings or [])
     if not PykvConfig.from_extra_config({"root": str(root), **extra}).store:  # every key checked up front
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))

@@ -37,6 +37,7 @@ one (the orchestration).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -44,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from pykv.calibration import Calibration
+from pykv.calibration import Calibration, save_plot
 from pykv.counters import ENV as COUNTERS_ENV
 from pykv.errors import InputError
 from pykv.jobs.calibrate_plan import GATE_FILE, CalibrationRun, Phase, kv_bytes_per_token, plan_phases
@@ -164,3 +165,14 @@ def phase_job(run: CalibrationRun, phase: Phase, work: Path) -> EngineJob:
     plan = {"name": phase.name, "engine": phase.engine, "steps": phase.steps, "block_tokens": run.block_tokens,
             "stats": stats}
     return EngineJob(phase.name, ENGINE_MODULE, plan, work, env=env, python=run.python)
+
+
+def model_label(calibration: Calibration) -> str:
+    """The model as it was named (the namespace's label), for titles; ``model`` is its content
+    identity (``files:...``). Files from before the label was recorded give the identity."""
+    return str(calibration.details.get("model_label") or calibration.model)
+
+
+def save_labelled_plot(calibration: Calibration, path: str | os.PathLike[str]) -> Path:
+    """``pykv.calibration.save_plot`` titled with the model's label instead of its identity."""
+    return save_plot(dataclasses.replace(calibration, model=model_label(calibration)), path)

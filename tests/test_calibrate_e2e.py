@@ -118,6 +118,30 @@ def test_table_shows_the_gate_check_and_its_verdict():
            "lengths (512 tokens; max 2.00)" in text
 
 
+def test_plot_and_table_are_titled_with_the_namespace_label_not_the_content_identity(tmp_path, monkeypatch):
+    from pykv.commands.calibrate import _render
+    from pykv.jobs import calibrate
+    from pykv.jobs.calibrate_plan import CalibrationRun
+    from pykv.jobs.calibrate_summary import assemble
+
+    run = CalibrationRun(model="/models/Llama-3.2-3B", root=tmp_path, lengths=[256], tiers=["disk"])
+    namespace = {"model": "files:9f2c41d0", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", "id": "ns1",
+                 "label": "/models/Llama-3.2-3B"}
+    samples = [{"path": "recompute", "tokens": 256, "seconds": 0.2}, {"path": "disk", "tokens": 256, "seconds": 0.1}]
+    cal = assemble(run, samples, {"store": {"engine": {"namespace": namespace, "gpu": "cpu"}, "seconds": 1}},
+                   direct=True, direct_note="", bandwidth=1.0, dropped={}, dram_bytes=0, per_token=None, settles=[])
+    assert cal.model == "files:9f2c41d0"  # the file keeps the identity the gate matches on
+    titled: list = []
+    monkeypatch.setattr(calibrate, "save_plot", lambda c, path: titled.append(c.model))
+    calibrate.save_labelled_plot(cal, tmp_path / "plot.png")
+    assert titled == ["/models/Llama-3.2-3B"]
+    cal.save(tmp_path / "cal.json")
+    data = {**json.loads((tmp_path / "cal.json").read_text()), "files": {"calibration": "cal.json", "plot": None}}
+    console = Console(file=io.StringIO(), width=250)
+    _render(console, data)
+    assert "/models/Llama-3.2-3B on cpu" in console.file.getvalue() and "files:" not in console.file.getvalue()
+
+
 def test_kv_bytes_per_token_from_config(tmp_path):
     from pykv.jobs.calibrate_plan import kv_bytes_per_token
 
