@@ -29,8 +29,9 @@ directly, so a new vLLM release means reading and editing this one file.
 | the connector's worker and manager      | 26-33     | ``connector_offloading_worker``|
 |   (``connector_worker.worker``,         |           | ``connector_offloading_manager``|
 |   ``connector_scheduler.manager``)      |           | ``scheduler_offloading_manager``|
-| offload keys (last hash of each chunk,  | 26-33     | ``chunk_offload_keys``,        |
-|   ``update_offload_keys``)              |           | ``PromptOffloadKeys``          |
+| offload keys (last hash of each chunk,  | 26-33     | ``make_offload_key``,          |
+|   ``update_offload_keys``)              |           | ``prompt_block_hasher``; used  |
+|                                         |           | by ``offload_keys.py``         |
 | ``LLM``, ``SamplingParams``,            | 26-33     | lazy module attributes here    |
 |   ``current_platform``, in-process      |           | (``compat.LLM`` ...),          |
 |   engine (``llm_engine``)               |           | ``engine_vllm_config``,        |
@@ -39,7 +40,7 @@ directly, so a new vLLM release means reading and editing this one file.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -353,37 +354,6 @@ def device_name() -> str:
         lines = []
     return "cpu: " + next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                           "unknown")
-
-
-# -- offload keys: how vLLM names a chunk ---------------------------------------------------------
-def chunk_offload_keys(block_hashes: Sequence[bytes], hashes_per_chunk: int, group_idx: int) -> list[bytes]:
-    """vLLM's offload keys of one KV cache group for a request's block hashes, as its scheduler
-    builds them (``RequestOffloadState.update_offload_keys``): one per full chunk, the key of the
-    chunk's last block hash."""
-    return [make_offload_key(h, group_idx) for h in block_hashes[hashes_per_chunk - 1::hashes_per_chunk]]
-
-
-def chunk_major(per_group: Sequence[Sequence[bytes]]) -> list[bytes]:
-    """Keys of several groups chunk by chunk: chunk i of every group before chunk i + 1."""
-    return [keys[i] for i in range(max(map(len, per_group), default=0)) for keys in per_group if i < len(keys)]
-
-
-class PromptOffloadKeys:
-    """``keys(token_ids)``: the offload keys vLLM gives a plain prompt's full chunks (every
-    offloaded group, chunk by chunk), from the engine's ``OffloadingConfig`` and ``VllmConfig``.
-    Call it only in the engine's process (``prompt_block_hasher``)."""
-
-    def __init__(self, offloading_config: Any, vllm_config: Any) -> None:
-        cache = offloading_config.cache
-        self.tokens_per_hash = cache.tokens_per_hash
-        self.tokens_per_chunk = offloading_config.groups[0].tokens_per_block * cache.blocks_per_chunk
-        self.hashes_per_chunk = self.tokens_per_chunk // self.tokens_per_hash
-        self.group_ids = group_ids(offloading_config)
-        self._hash_chain = prompt_block_hasher(vllm_config)
-
-    def __call__(self, token_ids: Sequence[int]) -> list[bytes]:
-        hashes = self._hash_chain(token_ids, self.tokens_per_hash)
-        return chunk_major([chunk_offload_keys(hashes, self.hashes_per_chunk, g) for g in self.group_ids])
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from pykv.errors import InputError
 
-from pykv.connector import compat
+from pykv.connector import compat, offload_keys
 from pykv.connector.compat import OffloadingConnector, OffloadingConnectorMetadata, OffloadingWorkerMetadata
 from pykv.connector.spec import WorkerReport
 
@@ -215,14 +215,14 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     def _keys_per_group(self, request: Any) -> list[tuple[Any, list[bytes]]]:
         """(group config, the request's offload keys in that group) as vLLM builds them
-        (``compat.chunk_offload_keys``): one key per full chunk."""
-        return [(g, compat.chunk_offload_keys(request.block_hashes, g.hashes_per_chunk, g.group_idx))
+        (``offload_keys.chunk_offload_keys``): one key per full chunk."""
+        return [(g, offload_keys.chunk_offload_keys(request.block_hashes, g.hashes_per_chunk, g.group_idx))
                 for g in compat.scheduler_group_configs(self.connector_scheduler)]
 
     def request_block_keys(self, request: Any) -> list[bytes]:
         """The request's offload keys chunk by chunk; with several KV groups, chunk i of every
         group before chunk i + 1."""
-        return compat.chunk_major([keys for _, keys in self._keys_per_group(request)])
+        return offload_keys.chunk_major([keys for _, keys in self._keys_per_group(request)])
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)

@@ -8,7 +8,7 @@ guard (``run_warm`` does that for library users too). ``warm`` needs one vLLM
 engine with pykv in-process (so it can ask pykv's manager what is on disk); for
 each prompt it:
 
-- computes its storage-block keys the way vLLM does (``compat.PromptOffloadKeys``:
+- computes its storage-block keys the way vLLM does (``offload_keys.PromptOffloadKeys``:
   chained prefix hashes of ``tokens_per_hash`` tokens, the hash of each storage
   block's last engine block);
 - skips it when every full block is already in the tree (resumable: a re-run

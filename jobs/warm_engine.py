@@ -38,10 +38,11 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
     ``tree``: the tree to check for present blocks (default: the engine's own; a dry run
     passes the real tree, read only, or None when it does not exist)."""
     from pykv.connector import compat
+    from pykv.connector.offload_keys import PromptOffloadKeys
     started = time.monotonic()
     report = progress or (lambda phase, done, total: None)
     manager = engine_manager(llm)
-    keys_of = compat.PromptOffloadKeys(manager.config, compat.engine_vllm_config(llm))
+    keys_of = PromptOffloadKeys(manager.config, compat.engine_vllm_config(llm))
     tokenizer = None
     gate = getattr(manager, "gate", None)
     threshold = gate.threshold("disk") if gate is not None else 0

@@ -1,4 +1,5 @@
-"""``connector/compat.py``: pykv's copies of vLLM knowledge equal what the installed vLLM computes.
+"""``connector/compat.py`` and ``connector/offload_keys.py``: pykv's vLLM knowledge equals what the
+installed vLLM computes.
 
 The offload keys (``chunk_offload_keys``, ``PromptOffloadKeys``) are checked against vLLM's
 own code: its request block hasher and its scheduler's ``RequestOffloadState.update_offload_keys``.
@@ -19,6 +20,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request  # noqa: E402
 
 from pykv.connector import compat  # noqa: E402
+from pykv.connector.offload_keys import PromptOffloadKeys, chunk_major, chunk_offload_keys  # noqa: E402
 
 HASH_ALGO = "sha256"
 TOKENS_PER_HASH = 32
@@ -51,7 +53,7 @@ def prompt(tokens: int, seed: int = 0) -> list[int]:
 @pytest.mark.parametrize("groups", [[(0, 8)], [(0, 8), (1, 8)], [(0, 4), (2, 8)]])
 def test_chunk_offload_keys_are_the_scheduler_keys(tokens, groups):
     request = vllm_request(prompt(tokens))
-    ours = [compat.chunk_offload_keys(request.block_hashes, h, g) for g, h in groups]
+    ours = [chunk_offload_keys(request.block_hashes, h, g) for g, h in groups]
     assert ours == vllm_offload_keys(request, groups)
     assert len(ours[0]) == tokens // (groups[0][1] * TOKENS_PER_HASH)
 
@@ -62,18 +64,18 @@ def test_prompt_offload_keys_hash_a_prompt_as_the_scheduler_does():
     offloading = SimpleNamespace(cache=SimpleNamespace(tokens_per_hash=TOKENS_PER_HASH, blocks_per_chunk=8),
                                  groups=[SimpleNamespace(tokens_per_block=TOKENS_PER_HASH, group_id=0),
                                          SimpleNamespace(tokens_per_block=TOKENS_PER_HASH, group_id=1)])
-    keys = compat.PromptOffloadKeys(offloading, SimpleNamespace(
+    keys = PromptOffloadKeys(offloading, SimpleNamespace(
         cache_config=SimpleNamespace(prefix_caching_hash_algo=HASH_ALGO)))
     assert keys.tokens_per_chunk == 256
     per_group = vllm_offload_keys(request, [(0, 8), (1, 8)])
-    assert keys(tokens) == compat.chunk_major(per_group)
+    assert keys(tokens) == chunk_major(per_group)
     assert keys(tokens) == [per_group[0][0], per_group[1][0], per_group[0][1], per_group[1][1],
                             per_group[0][2], per_group[1][2]]
 
 
 def test_chunk_major_takes_chunk_i_of_every_group_before_chunk_i_plus_one():
-    assert compat.chunk_major([[b"a0", b"a1", b"a2"], [b"b0"], []]) == [b"a0", b"b0", b"a1", b"a2"]
-    assert compat.chunk_major([]) == []
+    assert chunk_major([[b"a0", b"a1", b"a2"], [b"b0"], []]) == [b"a0", b"b0", b"a1", b"a2"]
+    assert chunk_major([]) == []
 
 
 def test_the_connector_and_the_manager_of_an_engine_are_found_through_compat():
