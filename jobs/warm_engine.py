@@ -33,7 +33,7 @@ def engine_manager(llm: Any) -> Any:
 
 def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batch: int = 16,
          settle_timeout: float = 300.0, progress: Progress | None = None, tree: Any = None) -> WarmSummary:
-    """Store the KV of ``prompts`` through ``llm`` (an in-process engine with pykv); see the module doc.
+    """Store the KV of ``prompts`` through ``llm`` (an in-process engine with pykv); see ``pykv.jobs.warm``.
 
     ``tree``: the tree to check for present blocks (default: the engine's own; a dry run
     passes the real tree, read only, or None when it does not exist)."""
