@@ -1,4 +1,4 @@
-"""``pykv calibrate``: measure where loading beats recomputing (``pykv.connector.calibrate``), write the file."""
+"""``pykv calibrate``: measure where loading beats recomputing (``pykv.jobs.calibrate``), write the file."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pykv.calibration import Calibration, parse_lengths, parse_tiers, save_plot
-from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, emit, parse_engine_args, parse_pairs,
+from pykv.calibration import TIERS, Calibration, parse_lengths, parse_tiers
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, emit, parse_engine_args, parse_settings,
     table)
 from pykv.errors import InputError
+from pykv.jobs.calibrate import model_label, run_calibration, save_labelled_plot
+from pykv.jobs.calibrate_plan import CalibrationRun
 from pykv.units import parse_size
 
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,80k"
@@ -29,7 +31,7 @@ def calibrate_command(
                                          help="Prefix lengths in tokens (1k = 1024), multiples of --block-tokens."
                                          )] = DEFAULT_LENGTHS,
     tiers: Annotated[str, typer.Option("--tiers", metavar="LIST",
-                                       help="Tiers to calibrate: disk, dram.")] = "disk,dram",
+                                       help=f"Tiers to calibrate: {', '.join(TIERS)}.")] = ",".join(TIERS),
     out: Annotated[Path, typer.Option("--out", metavar="FILE", help="Calibration file to write (atomically).")
                    ] = Path("pykv-calibration.json"),
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE",
@@ -62,8 +64,6 @@ def calibrate_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Measure recompute and cache-hit TTFT per length and tier; write the break-even calibration file."""
-    from pykv.connector.calibrate import CalibrationRun, run_calibration
-
     tier_list = parse_tiers(tiers)
     plot_path = None if no_plot else (plot or out.with_suffix(".png"))
     if plot_path is not None:
@@ -75,7 +75,7 @@ def calibrate_command(
     run = CalibrationRun(model=model, root=root, lengths=parse_lengths(lengths, multiple=block_tokens),
                          tiers=tier_list, repeat=repeat, block_tokens=block_tokens,
                          engine_args=parse_engine_args(engine_args, engine_arg or []),
-                         settings=parse_pairs("--set", settings or []),
+                         settings=parse_settings(settings or []),
                          dram_bytes=None if dram_bytes is None else parse_size(dram_bytes, field="--dram-bytes"),
                          bandwidth_bytes=parse_size(bandwidth_size, field="--bandwidth-size"),
                          drop_caches=drop_caches, check_gate=check_gate)
@@ -89,7 +89,7 @@ def calibrate_command(
         calibration = run_calibration(run, progress)
     calibration.save(out)
     if plot_path is not None:
-        save_plot(calibration, plot_path)
+        save_labelled_plot(calibration, plot_path)
     data = calibration.to_json()
     data["files"] = {"calibration": str(out), "plot": None if plot_path is None else str(plot_path)}
     emit(data, as_json=as_json, render=_render)
@@ -110,7 +110,7 @@ def _render(out: Console, data: dict[str, Any]) -> None:
             hit = points.get(tokens)
             row += [_seconds(hit), "-" if not hit else f"{recompute[tokens] / hit:.2f}x"]
         rows.append(row)
-    title = (f"TTFT in seconds (medians; x = recompute / hit), {calibration.model} on {calibration.gpu}, "
+    title = (f"TTFT in seconds (medians; x = recompute / hit), {model_label(calibration)} on {calibration.gpu}, "
              f"vLLM {calibration.vllm_version}")
     out.print(table(title, columns, rows, right=set(columns)))
     medium = calibration.medium

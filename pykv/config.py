@@ -111,6 +111,14 @@ def _optional_path(value: Any, key: str) -> str | None:
     return value
 
 
+IO_ENGINES = ("auto", "io_uring", "threadpool")
+"""``io_engine``'s choices."""
+DRAM_POLICIES = tuple(EVICTION_POLICIES)
+"""``dram_policy``'s choices."""
+VERIFY_MODES = ("full", "header")
+"""``verify``'s choices: header and payload checksum, or header only."""
+
+
 def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: str) -> Any:
     return field(default=default, metadata={"parse": parse, "doc": doc, "type": type_name})
 
@@ -128,10 +136,10 @@ class PykvConfig:
                                    "size (multiple of 4 KiB); 0 reads a block in one request. Media that "
                                    "read faster with more, smaller requests in flight gain (see "
                                    "docs/benchmarks.md).", "size")
-    io_engine: str = _key(_choice("auto", "io_uring", "threadpool"), "auto",
+    io_engine: str = _key(_choice(*IO_ENGINES), "auto",
                           "I/O backend: io_uring when usable, else a preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
-    dram_policy: str = _key(_choice(*EVICTION_POLICIES), "lru", "DRAM tier replacement policy.", "str")
+    dram_policy: str = _key(_choice(*DRAM_POLICIES), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, True, "Read the stored blocks of requests still waiting in vLLM's queue into "
                          "staging slots ahead of their scheduling.", "bool")
     preload_look_ahead: int = _key(_positive_int(65536), 8, "Waiting requests (oldest first) whose blocks are "
@@ -141,7 +149,7 @@ class PykvConfig:
     store: bool = _key(_bool, True, "Store new KV in the tree. false: this instance only loads what others "
                        "stored (a read-only mount, a tree filled by `pykv warm`).", "bool")
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
-    verify: str = _key(_choice("full", "header"), "full",
+    verify: str = _key(_choice(*VERIFY_MODES), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")

@@ -166,7 +166,6 @@ EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
     "arc": ArcPolicy,
 }
-POLICIES = tuple(EVICTION_POLICIES)
 
 
 class DramIndex:

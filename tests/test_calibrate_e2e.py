@@ -36,7 +36,7 @@ def invoke(*args: str):
 
 # -- fast: the plan, the options, interruption -------------------------------------------------
 def test_plan_measures_every_length_and_tier(tmp_path):
-    from pykv.connector.calibrate import CalibrationRun, plan_phases, prompt_tokens
+    from pykv.jobs.calibrate_plan import CalibrationRun, plan_phases, prompt_tokens
 
     run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2,
                          engine_args={"load_format": "dummy", "max_num_batched_tokens": 8192},
@@ -62,7 +62,7 @@ def test_plan_measures_every_length_and_tier(tmp_path):
 
 
 def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_path):
-    from pykv.connector.calibrate import CalibrationRun, plan_phases
+    from pykv.jobs.calibrate_plan import CalibrationRun, plan_phases
 
     run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2, settings={"io_depth": 8},
                          check_gate=True)
@@ -84,7 +84,7 @@ def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_pa
 
 
 def test_check_gate_needs_the_disk_tier(tmp_path):
-    from pykv.connector.calibrate import CalibrationRun
+    from pykv.jobs.calibrate_plan import CalibrationRun
 
     with pytest.raises(InputError, match=r"^--check-gate: needs the disk tier"):
         CalibrationRun(model="m", root=tmp_path, lengths=[256], tiers=["dram"], check_gate=True)
@@ -93,7 +93,7 @@ def test_check_gate_needs_the_disk_tier(tmp_path):
 
 def test_table_shows_the_gate_check_and_its_verdict():
     from pykv.commands.calibrate import _render
-    from pykv.connector.calibrate import summarize_gate
+    from pykv.jobs.calibrate_summary import summarize_gate
 
     samples = [{"path": p, "tokens": n, "seconds": s} for p, n, s in
                [("recompute", 256, 0.10), ("disk", 256, 0.20), ("recompute", 512, 0.30), ("disk", 512, 0.10)]]
@@ -118,8 +118,32 @@ def test_table_shows_the_gate_check_and_its_verdict():
            "lengths (512 tokens; max 2.00)" in text
 
 
+def test_plot_and_table_are_titled_with_the_namespace_label_not_the_content_identity(tmp_path, monkeypatch):
+    from pykv.commands.calibrate import _render
+    from pykv.jobs import calibrate
+    from pykv.jobs.calibrate_plan import CalibrationRun
+    from pykv.jobs.calibrate_summary import assemble
+
+    run = CalibrationRun(model="/models/Llama-3.2-3B", root=tmp_path, lengths=[256], tiers=["disk"])
+    namespace = {"model": "files:9f2c41d0", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+", "id": "ns1",
+                 "label": "/models/Llama-3.2-3B"}
+    samples = [{"path": "recompute", "tokens": 256, "seconds": 0.2}, {"path": "disk", "tokens": 256, "seconds": 0.1}]
+    cal = assemble(run, samples, {"store": {"engine": {"namespace": namespace, "gpu": "cpu"}, "seconds": 1}},
+                   direct=True, direct_note="", bandwidth=1.0, dropped={}, dram_bytes=0, per_token=None, settles=[])
+    assert cal.model == "files:9f2c41d0"  # the file keeps the identity the gate matches on
+    titled: list = []
+    monkeypatch.setattr(calibrate, "save_plot", lambda c, path: titled.append(c.model))
+    calibrate.save_labelled_plot(cal, tmp_path / "plot.png")
+    assert titled == ["/models/Llama-3.2-3B"]
+    cal.save(tmp_path / "cal.json")
+    data = {**json.loads((tmp_path / "cal.json").read_text()), "files": {"calibration": "cal.json", "plot": None}}
+    console = Console(file=io.StringIO(), width=250)
+    _render(console, data)
+    assert "/models/Llama-3.2-3B on cpu" in console.file.getvalue() and "files:" not in console.file.getvalue()
+
+
 def test_kv_bytes_per_token_from_config(tmp_path):
-    from pykv.connector.calibrate import kv_bytes_per_token
+    from pykv.jobs.calibrate_plan import kv_bytes_per_token
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_key_value_heads": 8,
                                                       "num_attention_heads": 24, "hidden_size": 3072,
@@ -151,7 +175,7 @@ def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needl
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
-    """A stand-in for ``python -m pykv.connector.calibrate PLAN EVENTS`` ($3 = plan, $4 = events)."""
+    """A stand-in for ``python -m pykv.jobs.calibrate_engine PLAN EVENTS`` ($3 = plan, $4 = events)."""
     script = tmp_path / "fake-python"
     script.write_text("#!/bin/sh\n" + body)
     script.chmod(0o755)
@@ -167,7 +191,7 @@ def _is_running(pid: int) -> bool:
 
 
 def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch):
-    from pykv.connector.calibrate import CalibrationRun, run_calibration
+    from pykv.jobs.calibrate import CalibrationRun, run_calibration
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -191,7 +215,7 @@ def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch)
 
 
 def test_failed_engine_names_its_log_and_root_cause(tmp_path, monkeypatch):
-    from pykv.connector.calibrate import CalibrationRun, run_calibration
+    from pykv.jobs.calibrate import CalibrationRun, run_calibration
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     orphan = tmp_path / "orphan.pid"
@@ -217,7 +241,7 @@ def _needs_vllm() -> None:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     _needs_vllm()
-    from pykv.connector.tiny_model import make_tiny_llama
+    from pykv.jobs.tiny_model import make_tiny_llama
     return make_tiny_llama(tmp_path_factory.mktemp("calibrate-model") / "tiny")
 
 

@@ -1,5 +1,5 @@
 """The calibration file, the break-even fit and lengths parsing (pykv/calibration.py), and the gate
-check's sample checks and summary (connector/calibrate.py)."""
+check's sample checks and summary (jobs/calibrate_summary.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pykv.calibration import (
     parse_tiers,
     save_plot,
 )
-from pykv.connector.calibrate import _check_sample, summarize_gate
+from pykv.jobs.calibrate_summary import check_sample as _check_sample, summarize_gate
 from pykv.errors import InputError, PykvError
 from pykv.io.atomic import write_atomically
 
@@ -231,7 +231,7 @@ def test_plot_is_a_png(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
 
 
-# -- the gate check (connector/calibrate.py) -------------------------------------------------
+# -- the gate check (jobs/calibrate_summary.py) -------------------------------------------------
 def gated(tokens: int, cached: int, disk: int = 0, dram: int = 0) -> dict:
     return {"event": "sample", "path": "gated", "tokens": tokens, "rep": 0, "warmup": False, "seconds": 0.1,
             "cached_tokens": cached, "loaded": {"disk": disk, "dram": dram}}

@@ -41,3 +41,18 @@ def test_config_rejects_unknown_keys_and_bad_values_in_one_line():
 def test_config_requires_root():
     result = run("config")
     assert result.exit_code == 2 and "--root" in result.stderr
+
+
+def test_set_reads_values_as_text_for_every_command_alike(tmp_path):
+    """One KEY=VALUE parser: ``--set file_mode=600`` is the octal mode 0600 in `pykv config` and
+    `pykv serve` alike (read as JSON it was the decimal 600, refused as outside 0000..0777)."""
+    config = run("config", "--root", str(tmp_path / "t"), "--set", "file_mode=600", "--set", "store=false")
+    assert config.exit_code == 0, config.output
+    extra = json.loads(config.stdout)["kv_connector_extra_config"]
+    assert extra["file_mode"] == "0600" and extra["store"] is False
+    serve = run("serve", "/models/m", "--root", str(tmp_path / "t"), "--set", "file_mode=600", "--set",
+                "store=false", "--dry-run")
+    assert serve.exit_code == 0, serve.output
+    served = json.loads(serve.stdout.split("--kv-transfer-config ", 1)[1].split("'")[1])
+    assert {k: served["kv_connector_extra_config"][k] for k in ("file_mode", "store")} == {"file_mode": "0600",
+                                                                                          "store": False}

@@ -53,7 +53,7 @@ def gen(name: str, prompts: list[list[int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from pykv.connector.tiny_model import make_tiny_llama
+    from pykv.jobs.tiny_model import make_tiny_llama
     work = tmp_path_factory.mktemp("preload")
     make_tiny_llama(work / "model")
     return work

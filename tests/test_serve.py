@@ -1,5 +1,5 @@
 """``pykv serve`` without starting vLLM: the command it runs, its environment, its refusals
-(``commands/serve.py``, ``connector/serve.py``); ``pykv --version``. The server itself:
+(``commands/serve.py``, ``jobs/serve.py``); ``pykv --version``. The server itself:
 tests/test_serve_e2e.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pykv.commands.app import app
-from pykv.connector.serve import SERVER_MODULE, engine_env, server_command
+from pykv.jobs.serve import SERVER_MODULE, engine_env, server_command
 from pykv.errors import InputError
 
 
@@ -47,7 +47,7 @@ def test_a_set_seed_is_kept_and_an_unset_one_defaults_to_zero():
 
 def test_a_given_memory_fraction_is_kept():
     pytest.importorskip("vllm")
-    from pykv.connector.serve import with_platform_defaults
+    from pykv.jobs.serve import with_platform_defaults
     assert with_platform_defaults(["--gpu-memory-utilization=0.5"]) == ["--gpu-memory-utilization=0.5"]
 
 
@@ -70,7 +70,7 @@ def test_version():
 
 def test_warm_takes_the_same_vllm_flags_as_serve(tmp_path):
     pytest.importorskip("vllm")
-    from pykv.connector.serve import engine_kwargs
+    from pykv.jobs.serve import engine_kwargs
     kwargs = engine_kwargs("/models/m", ["--block-size", "32", "--enforce-eager", "--max-model-len=4096"])
     assert kwargs == {"block_size": 32, "enforce_eager": True, "max_model_len": 4096}
     with pytest.raises(InputError, match="not an engine flag: --port 8000"):

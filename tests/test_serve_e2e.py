@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
 from pykv.connector.spec import METRIC_DOCS  # noqa: E402
-from pykv.connector.tiny_model import make_tiny_llama  # noqa: E402
+from pykv.jobs.tiny_model import make_tiny_llama  # noqa: E402
 
 #: The flags docs/cli.md gives `pykv serve` and `pykv warm` alike for a model without a tokenizer.
 ENGINE_FLAGS = ["--skip-tokenizer-init", "--enforce-eager"]

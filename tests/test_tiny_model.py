@@ -1,4 +1,4 @@
-"""``connector/tiny_model.py``: the test model's weights are what its seed says, whatever libraries are installed."""
+"""``jobs/tiny_model.py``: the test model's weights are what its seed says, whatever libraries are installed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import xxhash
 
-from pykv.connector.tiny_model import TINY_LLAMA, WEIGHTS_FILE, bfloat16_bits, make_tiny_llama, tensor_shapes
+from pykv.jobs.tiny_model import TINY_LLAMA, WEIGHTS_FILE, bfloat16_bits, make_tiny_llama, tensor_shapes
 
 SEED0_XXH3 = "e159bbc4ef2b1d3d"  # the safetensors bytes of seed 0: a change here changes every e2e test's model
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pykv.commands.app import app
-from pykv.connector.warm import parse_prompt_line, read_prompts
+from pykv.jobs.warm import parse_prompt_line, read_prompts
 from pykv.errors import InputError
 
 runner = CliRunner()
@@ -142,7 +142,7 @@ def block_files(root: Path) -> list[Path]:
 def warm_runs(tmp_path_factory):
     pytest.importorskip("vllm")
     import os
-    from pykv.connector.tiny_model import make_tiny_llama
+    from pykv.jobs.tiny_model import make_tiny_llama
     work = tmp_path_factory.mktemp("warm")
     model = make_tiny_llama(work / "model")
     root = work / "tree"

@@ -5,9 +5,9 @@ usage: python driver.py PLAN.json RESULT.json
 PLAN: {"model": dir, "kv_transfer_config": {...} | null, "steps": [...]}; each step:
   {"op": "generate", "name": str, "prompts": [[token ids], ...], "max_tokens": 8}
       -> results[name] = [{"tokens": [...], "num_cached_tokens": n}, ...]
-  {"op": "settle", "stats": path, "timeout": s}  wait until the worker's stats file
-      shows no transfer in flight and stops changing (stores are deferred and async)
-  {"op": "snapshot", "name": str, "stats": path}  results[name] = the stats file
+  {"op": "settle", "stats": path, "timeout": s}  wait until the worker's counter file
+      (``pykv.counters``) shows no transfer in flight and stops changing (stores are deferred and async)
+  {"op": "snapshot", "name": str, "stats": path}  results[name] = the counter files, by role
   {"op": "mark", "name": str}  remember the time (for "corrupt" ... "since")
   {"op": "corrupt", "root": dir, "mode": "flip"|"truncate", "since": mark|null, "count": n|null}
       flip: XOR every payload byte with 0x55; only block files published after the mark
@@ -32,29 +32,15 @@ from pathlib import Path
 
 
 def read_stats(path: str) -> dict:
-    """Merge every ``<path>.*.json`` the pykv processes wrote (worker ranks, scheduler)."""
-    merged: dict = {}
-    base = Path(path)
-    for file in sorted(base.parent.glob(base.name + ".*.json")):
-        try:
-            merged[file.name[len(base.name) + 1:-5]] = json.loads(file.read_text())
-        except (OSError, ValueError):
-            continue
-    return merged
+    """Every counter file the pykv processes wrote under ``path`` (roles: worker ranks, scheduler)."""
+    from pykv.counters import read_counters
+    return read_counters(path).roles
 
 
 def settle(path: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    previous = None
-    while time.monotonic() < deadline:
-        stats = read_stats(path)
-        worker = [v for k, v in stats.items() if k.startswith("worker")]
-        busy = any(w.get("jobs_in_flight", 0) for w in worker)
-        if stats and not busy and stats == previous:
-            return stats
-        previous = stats
-        time.sleep(0.5)
-    return read_stats(path)
+    """Wait until no worker has a transfer in flight and the counters stop changing."""
+    from pykv.jobs.settle import wait_until_quiet
+    return wait_until_quiet(path, timeout, interval=0.5, pending_stores=False)[1].roles
 
 
 def block_files(root: str) -> list[Path]:
@@ -118,7 +104,7 @@ class KVPages:
 
 def main(plan_path: str, result_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
-    from vllm import LLM, SamplingParams
+    from pykv.connector.compat import LLM, SamplingParams
 
     kwargs = dict(model=plan["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=32,
                   max_model_len=4096, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0)

@@ -27,7 +27,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def tiny_model_work(tmp_path_factory, name: str) -> Path:
     """A fresh work directory holding the tiny random Llama as ``model`` (engines find it there)."""
-    from pykv.connector.tiny_model import make_tiny_llama
+    from pykv.jobs.tiny_model import make_tiny_llama
     work = tmp_path_factory.mktemp(name)
     make_tiny_llama(work / "model")
     return work

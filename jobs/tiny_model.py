@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 import xxhash
+
+from pykv.io.atomic import write_atomically
 
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096,
@@ -94,13 +95,12 @@ def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     weights = safetensors_bytes(generate_tensors(TINY_LLAMA, seed))
-    partial = directory / f".{WEIGHTS_FILE}.partial"
-    partial.write_bytes(weights)
-    (directory / "config.json").write_text(json.dumps(hf_config(TINY_LLAMA), indent=1))
-    os.replace(partial, directory / WEIGHTS_FILE)
+    write_atomically(directory / "config.json", json.dumps(hf_config(TINY_LLAMA), indent=1), durable=False)
+    write_atomically(directory / WEIGHTS_FILE, weights, durable=False)
     manifest = {"seed": seed, "weights": WEIGHTS_FILE, "weights_xxh3_64": xxhash.xxh3_64_hexdigest(weights),
                 **TINY_LLAMA}
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))  # last: marks the checkpoint complete
+    # last: marks the checkpoint complete
+    write_atomically(directory / MANIFEST_FILE, json.dumps(manifest), durable=False)
     return directory
 
 
