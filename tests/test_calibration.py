@@ -1,4 +1,4 @@
-"""The calibration file, the break-even fit and lengths parsing (pykv/calibration.py), and the gate
+"""The calibration file, the break-even fit and lengths parsing (pykv/calibration/), and the gate
 check's sample checks and summary (connector/calibrate.py)."""
 
 from __future__ import annotations
