@@ -86,3 +86,15 @@ def test_the_dry_run_plans_stock_pykvspec_engines(tmp_path, script, stages):
     assert "BenchPykvSpec" not in result.stdout
     assert f"ext4 on {tmp_path / 'mnt'}/pykv-h200-" in result.stdout
     assert f"image {tmp_path / 'shm'}/pykv-h200-" in result.stdout
+
+
+def test_compare_passes_a_calibration_against_itself_and_flags_run_6_against_run_7():
+    from h200bench.compare import compare
+    results = BENCHMARKS / "results"
+    run6, run7 = str(results / "calibration-h200-8b-loop-run6.json"), str(results / "calibration-h200-8b-loop-run7.json")
+    lines, ok = compare(run7, run7, 0.05)
+    assert ok and len(lines) == 1 + 2 * 2 * 6  # header; 2 tiers x 6 lengths x (hit, recompute)
+    lines, ok = compare(run6, run7, 0.05)
+    assert not ok
+    assert any(line.startswith("disk   65,536 hit_s") and line.endswith("OUT") for line in lines)  # 2.476 -> 2.032 s
+    assert all(not line.endswith("OUT") for line in lines if "recompute_s" in line)

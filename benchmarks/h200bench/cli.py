@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from h200bench.compare import main as compare_main
 from h200bench.engine import engine_main
 from h200bench.probes import bw_main
 from h200bench.report import report_main
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     p = sub.add_parser("report", help="tables and target ratios from result files")
     p.add_argument("files", nargs="+")
     p.add_argument("--md", help="write the markdown tables here (default: beside the first file)")
+    p = sub.add_parser("compare", help="two calibration files: hit and recompute medians within a tolerance")
+    p.add_argument("reference")
+    p.add_argument("candidate")
+    p.add_argument("--tolerance", type=float, default=0.05, help="largest relative difference (default 0.05)")
     p = sub.add_parser("engine", help="(internal) run one engine from a JSON config")
     p.add_argument("config")
     p = sub.add_parser("bw", help="(internal) O_DIRECT and pinned H2D bandwidth")
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if a.md is None:
             a.md = str(Path(a.files[0]).with_suffix(".md"))
         return report_main(a)
+    if a.cmd == "compare":
+        return compare_main([a.reference, a.candidate, "--tolerance", str(a.tolerance)])
     if a.cmd == "engine":
         return engine_main(a.config)
     if a.cmd == "bw":
