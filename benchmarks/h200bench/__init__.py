@@ -4,8 +4,8 @@
 documents, host probes), ``stats`` (the engines' counter files), ``engine`` (one vLLM
 engine process), ``probes`` (O_DIRECT and H2D bandwidth), ``loop`` (loop devices and
 /dev/shm), ``runner`` (spawning engines with their settings), ``stages`` (stages A-M),
-``calibrate_stage`` (stage K), ``report``, ``cli``; the ``preload_*`` modules hold
-``h200_preload.py``'s stages. The entry points stay ``benchmarks/h200_connector.py``
+``calibrate_stage`` (stage K), ``report``, ``compare`` (two calibration files),
+``cli``; the ``preload_*`` modules hold ``h200_preload.py``'s stages. The entry points stay ``benchmarks/h200_connector.py``
 and ``benchmarks/h200_preload.py`` (method and stages: benchmarks/README.md).
 
 Nothing heavy happens at import: engine processes import these modules too.
