@@ -5,14 +5,21 @@
 # root (the device tool's working directory). STAGE: A, B, C, D, a comma list
 # (C,D), all, or report. See benchmarks/README.md for the device commands.
 #
-# - installs vLLM 0.26 from the carried parts when /tmp/site/vllm is missing
-#   (shared/device/install.sh, run from /tmp/pykv-device/part2);
-# - lays pykv out as the installed package (pykv + pykv.connector) in
-#   $WORK/shim, adds xxhash from .device/extra when the image lacks it;
+# - installs vLLM 0.26 from the carried parts when $SITE/vllm is missing
+#   (shared/device/install.sh, run from $PARTS/part2);
+# - lays pykv out as the installed package (pykv + pykv.connector, + pykv.jobs
+#   when jobs/ exists) in $WORK/shim, adds xxhash from .device/extra when the
+#   image lacks it;
 # - runs the stage with a deadline (PYKV_H200_BUDGET_S, default 560 s after this
 #   script started: the device tool stops a command at 600 s);
 # - appends JSON lines to $WORK/results.jsonl (persistent on the held host) and
 #   copies it, the report and the engine logs to $OUT (what comes back).
+#
+# Host paths (environment; defaults in brackets): PYKV_H200_WORK [/tmp/pykv-h200],
+# PYKV_H200_SITE, where vLLM is installed [/tmp/site], PYKV_H200_PARTS, where the
+# device commands put the carried parts [/tmp/pykv-device], PYKV_SRC, the pykv
+# sources to run [the working tree]. The stage's own paths are options of
+# `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
 STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|C,D|all|report) [stage options]}
@@ -21,6 +28,8 @@ REPO=$(pwd)
 WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}
 OUTDIR=${OUT:-$WORK/out}
 BUDGET=${PYKV_H200_BUDGET_S:-560}
+SITE=${PYKV_H200_SITE:-/tmp/site}
+PARTS=${PYKV_H200_PARTS:-/tmp/pykv-device}
 TAG=$(printf '%s' "$STAGE" | tr -cd 'A-Za-z0-9')
 mkdir -p "$WORK" "$OUTDIR"
 say() { echo "[h200_run $(date +%H:%M:%S)] $*"; }
@@ -37,26 +46,28 @@ if [ "$STAGE" = report ]; then
     exit $?
 fi
 
-# 1. vLLM 0.26 into /tmp/site (a no-op when it is there)
-if [ ! -d /tmp/site/vllm ]; then
-    if [ -f /tmp/pykv-device/part2/install.sh ]; then
-        say "installing vLLM from /tmp/pykv-device"
-        bash /tmp/pykv-device/part2/install.sh /tmp/pykv-device || { echo "h200_run.sh: vLLM install failed" >&2; exit 3; }
+# 1. vLLM 0.26 into $SITE (a no-op when it is there)
+if [ ! -d "$SITE/vllm" ]; then
+    if [ -f "$PARTS/part2/install.sh" ]; then
+        say "installing vLLM from $PARTS"
+        bash "$PARTS/part2/install.sh" "$PARTS" || { echo "h200_run.sh: vLLM install failed" >&2; exit 3; }
     else
-        echo "h200_run.sh: /tmp/site/vllm missing and no parts in /tmp/pykv-device: send .device/part1, then" \
+        echo "h200_run.sh: $SITE/vllm missing and no parts in $PARTS: send .device/part1, then" \
              ".device/part2 (benchmarks/README.md, steps 1 and 2)" >&2
         exit 3
     fi
 fi
 
-# 2. pykv as installed: pykv/ with connector/ as pykv/connector (pyproject's package-dir mapping)
+# 2. pykv as installed: pykv/ with connector/ as pykv/connector and jobs/ as pykv/jobs
+#    (pyproject's package-dir mapping)
 SHIM=$WORK/shim
 rm -rf "$SHIM" && mkdir -p "$SHIM"
 SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ and connector/ (e.g. .device/snap) instead of the working tree
 cp -r "$SRC/pykv" "$SHIM/pykv"
 rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
+[ -d "$SRC/jobs" ] && rm -rf "$SHIM/pykv/jobs" && cp -r "$SRC/jobs" "$SHIM/pykv/jobs"
 find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +
-export PYTHONPATH=$SHIM:$WORK/deps:/tmp/site
+export PYTHONPATH=$SHIM:$WORK/deps:$SITE
 
 # 3. xxhash (pykv's one third-party need on the connector path) if the image lacks it
 if ! python3 -c 'import xxhash' 2>/dev/null; then
@@ -85,7 +96,7 @@ fi
 # 5. the stage
 SCRIPT=benchmarks/h200_connector.py
 case "$STAGE" in P*|R) SCRIPT=benchmarks/h200_preload.py ;; esac  # P40, P80: the preloading bursts; R: round robin
-python3 "$SCRIPT" stage "$STAGE" --work "$WORK" --out "$OUTDIR" \
+python3 "$SCRIPT" stage "$STAGE" --work "$WORK" --out "$OUTDIR" --device-parts "$PARTS" \
     --deadline-at $(( T0 + BUDGET )) "$@"
 rc=$?
 

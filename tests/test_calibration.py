@@ -1,5 +1,5 @@
-"""The calibration file, the break-even fit and lengths parsing (pykv/calibration.py), and the gate
-check's sample checks and summary (jobs/calibrate_summary.py)."""
+"""The calibration file, the break-even fit and lengths parsing (pykv/calibration/), and the gate
+check's sample checks and summary (pykv/jobs/calibrate_summary.py)."""
 
 from __future__ import annotations
 
