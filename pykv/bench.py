@@ -26,11 +26,12 @@ from typing import Callable
 
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
-from pykv.io.probe import open_backend
-from pykv.media import open_medium
+from pykv.config import PykvConfig
+from pykv.io.probe import direct_io_supported, open_backend
 from pykv.namespace import Namespace
-from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, StoreBlock, backend_depth
+from pykv.reactor import FillRequest, LoadBlock, Reactor, ReadyBlock, StoreBlock
 from pykv.staging import StagingPool, slot_bytes_for
+from pykv.store import build_reactor
 from pykv.tree import KVTree
 
 
@@ -102,13 +103,18 @@ def _sequential(backend, pool: StagingPool, fd: int, kind: OpKind, blocks: int, 
 
 
 class _ZeroSource:
-    """A store source whose payload is whatever the slot holds (the bench measures I/O)."""
+    """The bench's store source and load sink: stores write whatever the slot holds and loaded
+    blocks are released at once (the bench measures I/O, not copies)."""
 
     reactor: Reactor
 
     def fill(self, requests: list[FillRequest]) -> None:
         for request in requests:
             self.reactor.filled(request.transfer, True)
+
+    def deliver(self, blocks: list[ReadyBlock]) -> None:
+        for block in blocks:
+            self.reactor.consumed(block.transfer)
 
 
 def bench_files(engine: str, directory: Path, *, size: int, block_size: int, depth: int,
@@ -122,14 +128,16 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
     tree.ensure_namespace(namespace)
     pool = StagingPool(slot_bytes_for(payload), depth * 2)
     source = _ZeroSource()
-    config = ReactorConfig(io_depth=depth, open_ahead=2 * depth, verify=verify, read_segment=read_segment)
-    reactor = source.reactor = _assemble(engine, tree, pool, config, source)
+    settings = PykvConfig(root=str(root), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
+                          read_segment_bytes=read_segment)
+    reactor = source.reactor = build_reactor(settings, pool, tree, client=source)
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size)]
     medium = reactor.medium
     stores = [StoreBlock(medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
     loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
     try:
         name = f"pykv reactor files ({reactor.backend.name}"
+        name += "" if direct_io_supported(root)[0] else ", buffered: no O_DIRECT here"
         name += f", reads in {read_segment >> 10} KiB pieces)" if read_segment else ")"
         stored = _timed(reactor, "store", stores)
         for block in stores:
@@ -144,12 +152,6 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
         reactor.close()
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _assemble(engine: str, tree: KVTree, pool: StagingPool, config: ReactorConfig, source: _ZeroSource) -> Reactor:
-    """The reactor over ``tree``'s POSIX medium with I/O backend ``engine`` (O_DIRECT, as the bench measures)."""
-    backend = open_backend(engine, depth=backend_depth(config, pool.slot_bytes))
-    return Reactor(backend, pool, open_medium("posix", tree, direct=True), config=config, source=source)
 
 
 def _timed(reactor: Reactor, job: str, blocks: list) -> "object":

@@ -90,8 +90,12 @@ class Reactor(LoadSteps, StoreSteps):
 
         Speculative work: it runs after all demand work, one read at a time, within the
         policy's slot bounds, and is never reported as a job. A block already preloaded
-        gains ``owner`` as one more interested party (one read, one slot).
+        gains ``owner`` as one more interested party (one read, one slot). Raises ``ValueError``
+        (here, before anything starts) for a block with a caller's slot.
         """
+        for block in blocks:
+            if block.slot is not None:
+                raise ValueError(f"{block.path}: a preload reads into a staging slot, not a caller's slot")
         self._post(lambda: self._add_preloads(owner, blocks))
 
     def release_preloads(self, owner: Hashable) -> None:

@@ -26,8 +26,6 @@ class LoadSteps:
     # -- preloads --------------------------------------------------------------------------------
     def _add_preloads(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
         for block in blocks:
-            if block.slot is not None:
-                raise ValueError(f"{block.path}: a preload reads into a staging slot, not a caller's slot")
             path = os.fspath(block.path)
             tid = self._preloads.get(path)
             if tid is not None:

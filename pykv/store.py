@@ -110,8 +110,9 @@ def open_store_medium(tree: KVTree, *, direct: bool = False) -> Medium:
 
 
 def build_reactor(config: PykvConfig, pool: StagingPool, tree: KVTree, *, client: object,
-                  on_job_done: Callable[[JobResult], None]) -> Reactor:
-    """The medium, the I/O backend and the reactor for ``config`` (the one place they are built for a store)."""
+                  on_job_done: Callable[[JobResult], None] | None = None) -> Reactor:
+    """The medium, the I/O backend and the reactor for ``config``: the one place they are built (the
+    store and ``pykv bench`` both call it). ``on_job_done=None``: results are kept for ``wait_for``."""
     direct, why = direct_io_supported(config.root)
     if not direct:
         log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", config.root, why)

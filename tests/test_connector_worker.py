@@ -17,7 +17,7 @@ from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.manager import PykvManager  # noqa: E402
 from pykv.connector.spec import WorkerReport  # noqa: E402
 from pykv.connector.worker import PykvWorker  # noqa: E402
-from worker_helpers import settle_stores  # noqa: E402
+from worker_helpers import hold_writes, settle_stores  # noqa: E402
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor, LookupResult  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
@@ -310,20 +310,18 @@ def test_wait_holds_a_store_until_its_copies_end_and_a_load_until_it_ends(rig):
     run(worker, 2)
 
 
-def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig):
+def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig, monkeypatch):
     """Early release: vLLM gets the store job once the blocks are in their DRAM slots; the slots
     stay pinned until the worker reports the end of the writes."""
+    backends = hold_writes(monkeypatch)  # sealed blocks, but no write starts yet
     manager, worker, kv = rig(dram_bytes="2M")
     ctx = ReqContext("r")
     ks = keys(3, salt=9)
     for layer in kv:
         layer[:12].fill_(3)
-    reactor = worker.reactor
-    held, start_write = [], reactor._start_write
-    reactor._start_write = lambda tid: held.append(tid)  # sealed blocks, but no write starts yet
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
     failed, report = run(worker, 1)  # finished for vLLM with every write still held
-    assert len(held) == 3 and not failed and not report.stores_ended
+    assert len(backends[0].held) == 3 and not failed and not report.stores_ended
     manager.complete_store(ks, ctx)
     assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in ks)
     assert not any(worker.tree.contains(worker.namespace.id, k) for k in ks)  # DRAM hits only
@@ -336,8 +334,7 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig):
     manager.complete_load(ks, ctx)
     assert all(bool((layer[40:52] == 3).all()) for layer in kv)
 
-    reactor._start_write = start_write
-    reactor._post(lambda: reactor.backend.submit([start_write(tid) for tid in held]))
+    backends[0].release()
     settle_stores(manager, worker, ks)
     assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writes()[0]
     assert all(worker.tree.contains(worker.namespace.id, k) for k in ks)
@@ -396,19 +393,16 @@ def test_the_end_of_early_released_writes_reaches_the_stats_file_without_another
     import json
 
     monkeypatch.setenv("PYKV_STATS_FILE", str(tmp_path / "stats"))
+    backends = hold_writes(monkeypatch)
     manager, worker, kv = rig(dram_bytes="2M")
     ctx = ReqContext("r")
     ks = keys(3, salt=12)
-    reactor = worker.reactor
-    held, start_write = [], reactor._start_write
-    reactor._start_write = lambda tid: held.append(tid)
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
     run(worker, 1)  # vLLM's last get_finished: the job is done for it, its writes are not
     path = tmp_path / "stats.worker0.json"
     assert json.loads(path.read_text())["jobs_in_flight"] == 1
 
-    reactor._start_write = start_write
-    reactor._post(lambda: reactor.backend.submit([start_write(tid) for tid in held]))
+    backends[0].release()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # no get_finished from here on
         stats = json.loads(path.read_text())

@@ -226,7 +226,7 @@ def test_a_dram_tier_load_claims_the_preload_and_copies_it_and_preloads_never_us
     tree, reactor, backend, sink, source = rig(slots=6, reserved=2)
     store(tree, reactor, source, [key(1)])
     with pytest.raises(ValueError):
-        reactor._add_preloads("A", load_blocks(tree, [key(1)], geometry=None, slot=5))
+        reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None, slot=5))
     reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
     until(lambda: reactor.policy.speculative_slots == 1)
     reads = reactor.stats["disk_reads"]

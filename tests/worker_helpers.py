@@ -24,3 +24,49 @@ def settle_stores(manager, worker, keys, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"writes of {len(pending)} blocks did not end")
         time.sleep(0.01)
+
+
+class HeldWrites:
+    """An I/O backend (wrapping the real one) that holds every write until ``release()``: the
+    blocks are sealed in their slots but no file is written. Install it through the store's
+    backend factory, ``pykv.store.open_backend``; everything else passes through."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.held, self.holding, self._flush = inner, [], True, False
+
+    def submit(self, requests) -> None:
+        from pykv.io.backend import OpKind
+
+        self.held += [r for r in requests if self.holding and r.op is OpKind.WRITE]
+        passed = [r for r in requests if not (self.holding and r.op is OpKind.WRITE)]
+        if passed:
+            self.inner.submit(passed)
+
+    def wait(self, min_completions: int = 1, timeout: float | None = None):
+        if self._flush:  # on the reactor's thread, like every other submit
+            self._flush, held, self.held = False, self.held, []
+            self.inner.submit(held)
+        return self.inner.wait(min_completions, timeout)
+
+    def release(self) -> None:
+        """Start the held writes (and every later one) from the reactor's thread."""
+        self.holding, self._flush = False, True
+        self.inner.wake()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def hold_writes(monkeypatch) -> list[HeldWrites]:
+    """Make every store built from now on write through a ``HeldWrites`` backend; returns them."""
+    import pykv.store
+
+    made: list[HeldWrites] = []
+    real = pykv.store.open_backend
+
+    def open_held(*args, **kwargs):
+        made.append(HeldWrites(real(*args, **kwargs)))
+        return made[-1]
+
+    monkeypatch.setattr(pykv.store, "open_backend", open_held)
+    return made

@@ -3,7 +3,7 @@
 A load from pykv is not automatically a win: below some prefix length, vLLM
 recomputes the prefix faster than pykv can read it and copy it to the GPU. That
 length depends on the model, GPU, medium and tier, so it is measured offline
-once per (node, model) by ``pykv calibrate`` (``pykv.connector.calibrate`` runs the
+once per (node, model) by ``pykv calibrate`` (``pykv.jobs.calibrate`` runs the
 engines) and kept in a small JSON file. At serving time the manager holds a
 ``BreakEvenGate`` built from that file and refuses loads whose reusable prefix is
 shorter than the threshold of the tier that would serve them; vLLM then
