@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from pykv.io.backend import OpKind
+
 
 def settle_stores(manager, worker, keys, timeout: float = 20.0) -> None:
     """Feed the worker's reports to the manager until every key's write has ended.
@@ -35,10 +37,9 @@ class HeldWrites:
         self.inner, self.held, self.holding, self._flush = inner, [], True, False
 
     def submit(self, requests) -> None:
-        from pykv.io.backend import OpKind
-
-        self.held += [r for r in requests if self.holding and r.op is OpKind.WRITE]
-        passed = [r for r in requests if not (self.holding and r.op is OpKind.WRITE)]
+        passed = []
+        for request in requests:
+            (self.held if self.holding and request.op is OpKind.WRITE else passed).append(request)
         if passed:
             self.inner.submit(passed)
 
