@@ -45,6 +45,20 @@ class Medium(abc.ABC):
     name: str = "abstract"
 
     @property
+    def lanes(self) -> int:
+        """Independent devices under this medium; each gets its own in-flight depth (``lane``)."""
+        return 1
+
+    def lane(self, location: Path) -> int:
+        """The device (``0..lanes-1``) that holds ``location``."""
+        return 0
+
+    @property
+    def opens_direct(self) -> bool:
+        """Every device's block files are opened with ``O_DIRECT`` (False: buffered I/O somewhere)."""
+        return False
+
+    @property
     @abc.abstractmethod
     def sync_before_publish(self) -> bool:
         """Stores fsync the written file before ``publish`` (the durability option)."""

@@ -37,6 +37,10 @@ class PosixMedium(Medium):
         self._real_root_prefix = os.path.join(os.path.realpath(tree.root), "")  # symlinks above the root are fine
 
     @property
+    def opens_direct(self) -> bool:
+        return bool(self._direct)
+
+    @property
     def sync_before_publish(self) -> bool:
         return self.tree.options.fsync
 
