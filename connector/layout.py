@@ -67,7 +67,7 @@ def slot_bytes(config: OffloadingConfig) -> int:
 def slot_counts(pykv: PykvConfig, config: OffloadingConfig) -> tuple[int, int]:
     """(transient slots, DRAM slots) of each worker's staging pool; raise if staging is too small."""
     size = slot_bytes(config)
-    transient = pykv.staging_bytes // size
+    transient = pykv.transient_slots(size)
     if transient < 2:
         raise InputError(f"kv_connector_extra_config.staging_bytes: {pykv.staging_bytes} bytes hold {transient} "
                          f"storage blocks of {size} bytes; give at least {2 * size} (ideally io_depth + 1 blocks)")

@@ -26,7 +26,7 @@ from pykv.calibration import BreakEvenGate
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
-from pykv.store import open_store_medium, open_tree
+from pykv.store import open_devices, open_store_medium
 from pykv.tiers import DramIndex
 
 from pykv.connector import compat
@@ -45,6 +45,11 @@ from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, Worker
 log = logging.getLogger(__name__)
 
 
+def _roots(pykv: PykvConfig) -> str:
+    """The tree's directories as one string (logs and the engine's config info)."""
+    return ", ".join(pykv.root_paths)
+
+
 def _slot_or_none(slot: int | None) -> int:
     return NO_SLOT if slot is None else slot
 
@@ -55,12 +60,12 @@ class PykvManager(OffloadingManager):
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
         self.namespace = namespace_for(config, rank=0)
-        self.tree = open_tree(pykv)
-        self.medium = open_store_medium(self.tree)  # lookups and access stamps only
+        self.devices = open_devices(pykv)
+        self.medium = open_store_medium(self.devices)  # lookups and access stamps only
         try:
-            self.tree.ensure_namespace(self.namespace)
+            self.devices.ensure_namespace(self.namespace)
         except OSError as exc:  # a read-only tree can still serve loads
-            log.warning("pykv: cannot prepare namespace %s in %s (%s)", self.namespace.id, pykv.root, exc)
+            log.warning("pykv: cannot prepare namespace %s in %s (%s)", self.namespace.id, _roots(pykv), exc)
         _, dram_slots = slot_counts(pykv, config)
         self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=early_release_enabled(config))
         self.store_pause = StorePause(pykv.store_retry_interval)
@@ -76,7 +81,7 @@ class PykvManager(OffloadingManager):
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
         self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
         self._gate_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse it
-        log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", pykv.root, self.namespace.id,
+        log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", _roots(pykv), self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
 
     @property
@@ -203,7 +208,7 @@ class PykvManager(OffloadingManager):
             self.residency.store_failed(key, dram_ok)
         if report.store_error and self.store_pause.begin(self._clock()):
             log.warning("pykv: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
-                        self.pykv.root, report.store_error, self.pykv.store_retry_interval)
+                        _roots(self.pykv), report.store_error, self.pykv.store_retry_interval)
         self._write_stats()
 
     # -- preloading (connector hooks; see pykv.preload) ------------------------------------------
@@ -252,7 +257,7 @@ class PykvManager(OffloadingManager):
 
     def config_info(self) -> list[dict[str, Any]]:
         """(vLLM 33+.) Static facts for ``vllm:kv_offload_config_info``; keys: ``CONFIG_INFO_KEYS``."""
-        return [{"pykv_root": str(self.pykv.root), "pykv_namespace": self.namespace.id,
+        return [{"pykv_root": _roots(self.pykv), "pykv_namespace": self.namespace.id,
                  "pykv_dram_slots": self.dram.capacity, "pykv_dram_policy": self.pykv.dram_policy,
                  "pykv_io_engine": str(self.pykv.io_engine), "pykv_verify": str(self.pykv.verify),
                  "pykv_store": bool(self.pykv.store), "pykv_preload": bool(self.pykv.preload)}]

@@ -87,7 +87,7 @@ class PykvWorker(OffloadingWorker):
                             self.early_release)
         self.store = BlockStore(pykv, shape, self, register=cuda_host_register if cuda else None,
                                 unregister=cuda_host_unregister if cuda else None)
-        self.namespace, self.tree, self.pool, self.reactor = (self.store.namespace, self.store.tree,
+        self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
         self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]

@@ -27,10 +27,11 @@ from typing import Callable
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
 from pykv.config import PykvConfig
-from pykv.io.probe import direct_io_supported, open_backend
+from pykv.io.probe import open_backend
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReadyBlock, StoreBlock
 from pykv.staging import StagingPool, slot_bytes_for
+from pykv.deviceset import DeviceSet
 from pykv.store import build_reactor
 from pykv.tree import KVTree
 
@@ -130,14 +131,14 @@ def bench_files(engine: str, directory: Path, *, size: int, block_size: int, dep
     source = _ZeroSource()
     settings = PykvConfig(root=str(root), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
                           read_segment_bytes=read_segment)
-    reactor = source.reactor = build_reactor(settings, pool, tree, client=source)
+    reactor = source.reactor = build_reactor(settings, pool, DeviceSet([tree]), client=source)
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size)]
     medium = reactor.medium
     stores = [StoreBlock(medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
     loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
     try:
         name = f"pykv reactor files ({reactor.backend.name}"
-        name += "" if direct_io_supported(root)[0] else ", buffered: no O_DIRECT here"
+        name += "" if medium.opens_direct else ", buffered: no O_DIRECT here"
         name += f", reads in {read_segment >> 10} KiB pieces)" if read_segment else ")"
         stored = _timed(reactor, "store", stores)
         for block in stores:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from pykv.deviceset import MAX_DEVICES
 from pykv.errors import InputError
 from pykv.tiers import EVICTION_POLICIES
 from pykv.units import parse_duration, parse_size
@@ -34,6 +36,21 @@ VLLM_KEYS = frozenset({
 
 def _size(value: Any, key: str) -> int:
     return parse_size(value if isinstance(value, (int, str)) else str(value), field=f"{PREFIX}.{key}")
+
+
+def _staging(value: Any, key: str) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return _size(value, key)
+
+
+def _roots(value: Any, key: str) -> tuple[str, ...]:
+    items = tuple(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(item, str) and item.strip() for item in items):
+        raise InputError(f"{PREFIX}.{key}: expected a list of directory paths, one per device, got {str(value)[:80]!r}")
+    if len(items) > MAX_DEVICES:
+        raise InputError(f"{PREFIX}.{key}: {len(items)} directories; at most {MAX_DEVICES} devices")
+    return items
 
 
 def _segment(value: Any, key: str) -> int:
@@ -129,9 +146,15 @@ class PykvConfig:
 
     root: str = _key(_root, "", "Directory of the pykv tree: created if missing, used if empty or a tree; "
                      "a directory holding other files is refused (make it a tree with `pykv init`). Required.", "path")
-    staging_bytes: int = _key(_size, "1G", "Transient staging memory per worker (slots for disk I/O).", "size")
-    io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker.", "int")
-    open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads.", "int")
+    roots: tuple[str, ...] = _key(_roots, (), "Directories of one pykv tree each, one per device (a list): "
+                                  "each block lives on one of them, chosen from its key (rendezvous hashing). "
+                                  "Every directory must exist; give `root` or `roots`.", "paths")
+    staging_bytes: int | None = _key(_staging, "auto", "Transient staging memory per worker (slots for disk "
+                                     "I/O). auto: two slots per read in flight on every device (2 x io_depth x "
+                                     "devices) plus the preload allowance, at most a quarter of the host's "
+                                     "memory.", "size")
+    io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker and device.", "int")
+    open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads, per device.", "int")
     read_segment_bytes: int = _key(_segment, 0, "Split each block file's read into parallel reads of this "
                                    "size (multiple of 4 KiB); 0 reads a block in one request. Media that "
                                    "read faster with more, smaller requests in flight gain (see "
@@ -179,17 +202,42 @@ class PykvConfig:
             if key not in known:
                 raise InputError(f"{PREFIX}.{key}: unknown key (pykv keys: {', '.join(sorted(known))})")
             values[key] = known[key].metadata["parse"](value, key)
-        if "root" not in values:
-            raise InputError(f"{PREFIX}.root: required (the directory of the pykv tree)")
+        if "root" in values and "roots" in values:
+            raise InputError(f"{PREFIX}.roots: give root (one device) or roots (several), not both")
+        if "root" not in values and "roots" not in values:
+            raise InputError(f"{PREFIX}.root: required (the directory of the pykv tree; roots: one per device)")
         return cls(**values)
+
+    @property
+    def root_paths(self) -> tuple[str, ...]:
+        """The directories of the tree's devices (``roots``, or ``root`` alone)."""
+        return self.roots or (self.root,)
+
+    @property
+    def root_key(self) -> str:
+        """The key the directories came from, to name in messages."""
+        return f"{PREFIX}.{'roots' if self.roots else 'root'}"
+
+    def transient_slots(self, slot_bytes: int) -> int:
+        """Staging slots for disk I/O of blocks of ``slot_bytes`` (``staging_bytes``, or auto)."""
+        if self.staging_bytes is not None:
+            return self.staging_bytes // slot_bytes
+        wanted = 2 * self.io_depth * len(self.root_paths) + self.preload_max_bytes // slot_bytes
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(self.io_depth + 1, min(wanted, memory // 4 // slot_bytes))
 
     def to_extra_config(self) -> dict[str, Any]:
         """pykv's keys in their written form (sizes in bytes, modes as octal strings)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:  # an unset optional key (breakeven_file) is left out
-                out[f.name] = f"{value:04o}" if f.metadata["type"] == "octal" else value
+            if f.name == "staging_bytes" and value is None:
+                value = "auto"
+            if value is None or value == () or (f.name == "root" and not value):
+                continue  # an unset optional key (breakeven_file), the unused one of root and roots
+            if f.metadata["type"] == "octal":
+                value = f"{value:04o}"
+            out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
     def to_kv_transfer_config(self, model_block_size_tokens: int = 256) -> dict[str, Any]:

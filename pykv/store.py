@@ -36,13 +36,14 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import Geometry
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.jobledger import JobEnd, JobLedger, Part, Release
-from pykv.media import Medium, open_medium
+from pykv.deviceset import DeviceSet
+from pykv.media import Medium, StripedMedium, open_medium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
 from pykv.residency import StorePause
 from pykv.staging import StagingPool
-from pykv.tree import KVTree, TreeOptions
+from pykv.tree import TreeOptions
 from pykv.counters import WorkerCounter as C
 
 log = logging.getLogger(__name__)
@@ -99,30 +100,41 @@ class StoreClient(Protocol):
         """A store may be considered finished now; its writes go on (reactor thread)."""
 
 
-def open_tree(config: PykvConfig) -> KVTree:
-    """The tree at ``config.root`` with the configured modes."""
-    return KVTree.create(config.root, TreeOptions(config.file_mode, config.dir_mode, config.fsync))
+def open_devices(config: PykvConfig) -> DeviceSet:
+    """The tree on each of ``config``'s devices (``root`` or ``roots``) with the configured modes."""
+    return DeviceSet.create(config.root_paths, TreeOptions(config.file_mode, config.dir_mode, config.fsync),
+                            field=config.root_key)
 
 
-def open_store_medium(tree: KVTree, *, direct: bool = False) -> Medium:
-    """The medium blocks live on (the scheduler opens it for lookups too); ``direct``: O_DIRECT I/O."""
-    return open_medium("posix", tree, direct=direct)
+def open_store_medium(devices: DeviceSet, *, direct: bool = False) -> Medium:
+    """The medium blocks live on (the scheduler opens it for lookups too); ``direct``: O_DIRECT I/O.
+    One device: its POSIX medium; several: a striped medium over one per device."""
+    leaves = [open_medium("posix", tree, direct=direct) for tree in devices]
+    return leaves[0] if len(leaves) == 1 else StripedMedium(devices, leaves)
 
 
-def build_reactor(config: PykvConfig, pool: StagingPool, tree: KVTree, *, client: object,
+def devices_take_direct(devices: DeviceSet) -> bool:
+    """Whether every device takes O_DIRECT (a set opens all alike: one that does not makes all buffered)."""
+    for tree in devices:
+        direct, why = direct_io_supported(tree.root)
+        if not direct:
+            log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", tree.root, why)
+            return False
+    return True
+
+
+def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, client: object,
                   on_job_done: Callable[[JobResult], None] | None = None) -> Reactor:
     """The medium, the I/O backend and the reactor for ``config``: the one place they are built (the
     store and ``pykv bench`` both call it). ``on_job_done=None``: results are kept for ``wait_for``."""
-    direct, why = direct_io_supported(config.root)
-    if not direct:
-        log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", config.root, why)
+    medium = open_store_medium(devices, direct=devices_take_direct(devices))
     reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
                                    read_segment=config.read_segment_bytes)
-    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes),
-                           directory=config.root)
-    return Reactor(backend, pool, open_store_medium(tree, direct=direct), config=reactor_config, sink=client,
-                   source=client, on_job_done=on_job_done)
+    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes) * medium.lanes,
+                           directory=devices[0].root)
+    return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
+                   on_job_done=on_job_done)
 
 
 class BlockStore:
@@ -136,9 +148,9 @@ class BlockStore:
         self.ledger = JobLedger(early_release=engine.early_release)
         self.counters: Counter[str] = self.ledger.counters
         self.pause = StorePause(config.store_retry_interval, extend=True)
-        self.tree = open_tree(config)
+        self.devices = open_devices(config)
         try:
-            self.tree.ensure_namespace(self.namespace)
+            self.devices.ensure_namespace(self.namespace)
         except OSError as exc:
             self._pause_stores(os_failure(Step.MKDIR, exc))
         self.dram_base, self.dram_slots = engine.transient_slots, engine.dram_slots
@@ -146,7 +158,7 @@ class BlockStore:
                                 reserved=engine.dram_slots, register=register, unregister=unregister)
         self._lock = threading.Condition()
         self._stopped = False
-        self.reactor = build_reactor(config, self.pool, self.tree, client=self, on_job_done=self._reactor_job_done)
+        self.reactor = build_reactor(config, self.pool, self.devices, client=self, on_job_done=self._reactor_job_done)
         self.medium = self.reactor.medium
 
     # -- jobs ----------------------------------------------------------------------------------
@@ -336,5 +348,5 @@ class BlockStore:
     def _pause_stores(self, failure: BlockFailure) -> None:
         if self.pause.begin(self._clock()):
             log.warning("pykv worker %d: stores to %s failing (%s); pausing stores for %.0f s, serving continues",
-                        self.engine.rank, self.config.root, failure, self.config.store_retry_interval)
+                        self.engine.rank, ', '.join(self.config.root_paths), failure, self.config.store_retry_interval)
             self.counters[C.STORE_PAUSES] += 1

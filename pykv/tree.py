@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import xxhash
+
 from pykv.errors import NotATreeError, NotEmptyRootError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import enter_directory
@@ -91,6 +93,16 @@ class KVTree:
         self.root = Path(root)
         self._prefixes: dict[str, str] = {}  # namespace id -> "<root>/<id>/" (``contains``)
         self.options = options or TreeOptions()
+        self._identity: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """The tree's own name (16 hex digits), kept by its marker wherever the tree is mounted:
+        the marker's ``tree_id``, or for a marker without one the xxh3-64 of its bytes. Placement
+        over several devices goes by it (``pykv.deviceset``), so moving a mount keeps its blocks."""
+        if self._identity is None:
+            self._identity = _marker_identity(self.root)[1]
+        return self._identity
 
     # -- marker ---------------------------------------------------------------------------
     @classmethod
@@ -99,17 +111,14 @@ class KVTree:
         root = Path(root)
         if not root.is_dir():
             raise NotATreeError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
-        marker = root / MARKER_NAME
-        try:
-            data = json.loads(read_small(marker))
-        except FileNotFoundError:
-            raise NotATreeError(f"{root}: not a pykv tree (no {MARKER_NAME})") from None
-        except (OSError, ValueError) as exc:
-            raise NotATreeError(f"{marker}: unreadable tree marker ({exc})") from None
-        version = data.get("format_version") if isinstance(data, dict) else None
+        data, identity = _marker_identity(root)
+        version = data.get("format_version")
         if type(version) is not int or version != FORMAT_VERSION:  # not True, 1.0 or "1"
-            raise NotATreeError(f"{marker}: field format_version is {version!r}, this pykv needs {FORMAT_VERSION}")
-        return cls(root, options)
+            raise NotATreeError(f"{root / MARKER_NAME}: field format_version is {version!r}, "
+                                f"this pykv needs {FORMAT_VERSION}")
+        tree = cls(root, options)
+        tree._identity = identity
+        return tree
 
     @classmethod
     def create(cls, root: Path | str, options: TreeOptions | None = None, *, adopt: bool = False,
@@ -128,7 +137,8 @@ class KVTree:
                 _refuse_if_occupied(tree.root, field)
             from pykv import __version__
             content = json.dumps({"format_version": FORMAT_VERSION, "created_by": f"pykv {__version__}",
-                                  "created_on": _HOST, "created_at": time.time()}, indent=2).encode()
+                                  "created_on": _HOST, "created_at": time.time(),
+                                  "tree_id": secrets.token_hex(8)}, indent=2).encode()
             temp = tree.root / temp_name(MARKER_NAME)
             write_small(temp, content, tree.options.file_mode)
             tree.publish(temp, marker)
@@ -269,6 +279,24 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
+
+
+def _marker_identity(root: Path) -> tuple[dict, str]:
+    """The marker's fields and the tree's identity; ``NotATreeError`` naming what is wrong."""
+    marker = root / MARKER_NAME
+    try:
+        raw = read_small(marker)
+        data = json.loads(raw)
+    except FileNotFoundError:
+        raise NotATreeError(f"{root}: not a pykv tree (no {MARKER_NAME})") from None
+    except (OSError, ValueError) as exc:
+        raise NotATreeError(f"{marker}: unreadable tree marker ({exc})") from None
+    if not isinstance(data, dict):
+        raise NotATreeError(f"{marker}: the tree marker is not a JSON object")
+    tree_id = data.get("tree_id")
+    if isinstance(tree_id, str) and len(tree_id) == 16 and is_hex(tree_id):
+        return data, tree_id
+    return data, xxhash.xxh3_64_hexdigest(raw)
 
 
 def _refuse_if_occupied(root: Path, field: str) -> None:

@@ -18,7 +18,7 @@ def test_defaults_and_written_forms():
     assert config.staging_bytes == 28 << 20 and config.dram_bytes == 2 << 30 and config.io_depth == 8
     assert config.fsync is True and config.file_mode == 0o640 and config.dir_mode == 0o700
     assert config.store_retry_interval == 120.0
-    assert PykvConfig.from_extra_config({"root": "/t"}).staging_bytes == 1 << 30
+    assert PykvConfig.from_extra_config({"root": "/t"}).staging_bytes is None  # auto
     assert PykvConfig.from_extra_config({"root": "/t"}).breakeven_margin == 0.05
     assert PykvConfig.from_extra_config({"root": "/t", "breakeven_margin": "0"}).breakeven_margin == 0.0
 

@@ -114,7 +114,7 @@ def store_then_corrupt(manager, worker, ks: list[bytes], ctx, index: int):
     worker.submit_store(1, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
                         manager.prepare_store(ks, ctx).store_spec)
     run(worker, 1)
-    path = worker.tree.block_path(worker.namespace.id, ks[index])
+    path = worker.devices[0].block_path(worker.namespace.id, ks[index])
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + 10)
         f.write(b"\xff\xfe")
@@ -154,7 +154,7 @@ def test_dram_hit_reads_no_disk(rig):
     ks = keys(3, salt=2)
     store_through_dram(manager, worker, kv, ks, ctx, 7)
     for k in ks:  # remove the files: only DRAM can serve now
-        os.unlink(worker.tree.block_path(worker.namespace.id, k))
+        os.unlink(worker.devices[0].block_path(worker.namespace.id, k))
     spec = manager.prepare_load(ks, ctx)
     assert spec.resident == (True, True, True)
     worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
@@ -218,7 +218,7 @@ def test_a_split_load_reports_failures_at_their_place_in_the_job(rig):
     ks = keys(3, salt=12)
     store_through_dram(manager, worker, kv, ks, ctx, 4)
     manager.dram.drop(ks[1])
-    os.unlink(worker.tree.block_path(worker.namespace.id, ks[1]))
+    os.unlink(worker.devices[0].block_path(worker.namespace.id, ks[1]))
     spec = manager.prepare_load(ks, ctx)
     worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
     failed, report = run(worker, 2)
@@ -233,12 +233,12 @@ def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     manager, worker, kv = rig()
     ctx = ReqContext("r")
     ks = keys(2, salt=3)
-    ns_dir = worker.tree.namespace_dir(worker.namespace.id)
+    ns_dir = worker.devices[0].namespace_dir(worker.namespace.id)
     os.chmod(ns_dir, 0o500)
     try:
         if os.access(ns_dir, os.W_OK):  # root ignores modes: make the shard dirs impossible instead
             for k in ks:
-                shard = worker.tree.block_path(worker.namespace.id, k).parent.parent
+                shard = worker.devices[0].block_path(worker.namespace.id, k).parent.parent
                 shard.parent.mkdir(parents=True, exist_ok=True)
                 shard.write_text("not a directory")
         worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ctx).store_spec)
@@ -248,7 +248,7 @@ def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     assert report.store_error and len(report.failed_stores) == 2
     manager.on_worker_report(report)
     assert manager.prepare_store(keys(2, salt=4), ctx).keys_to_store == []
-    names = [n for _, _, files in os.walk(worker.tree.root) for n in files]
+    names = [n for _, _, files in os.walk(worker.devices[0].root) for n in files]
     assert not [n for n in names if ".tmp." in n]
 
 
@@ -324,7 +324,7 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig, mo
     assert len(backends[0].held) == 3 and not failed and not report.stores_ended
     manager.complete_store(ks, ctx)
     assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in ks)
-    assert not any(worker.tree.contains(worker.namespace.id, k) for k in ks)  # DRAM hits only
+    assert not any(worker.devices[0].contains(worker.namespace.id, k) for k in ks)  # DRAM hits only
     assert all(manager.dram.entry(k).pins == 1 for k in ks)  # the writes still read the slots
 
     spec = manager.prepare_load(ks, ctx)  # a later turn of the conversation loads them from DRAM
@@ -337,7 +337,7 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig, mo
     backends[0].release()
     settle_stores(manager, worker, ks)
     assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writes()[0]
-    assert all(worker.tree.contains(worker.namespace.id, k) for k in ks)
+    assert all(worker.devices[0].contains(worker.namespace.id, k) for k in ks)
     assert worker.counters["store_jobs_released_early"] == 1 and worker.counters["store_published"] == 3
 
 
@@ -428,7 +428,7 @@ def test_a_reader_instance_loads_what_a_writer_stored_and_stores_nothing(rig):
     fresh = keys(2, salt=14)
     out = reader.prepare_store(stored + fresh, ctx)
     assert out.keys_to_store == [] and reader.counters["pykv:stores_off"] == 4
-    assert not any(reader.tree.contains(reader.namespace.id, k) for k in fresh)
+    assert not any(reader.devices[0].contains(reader.namespace.id, k) for k in fresh)
     assert all(reader.lookup(k, ctx) is LookupResult.HIT for k in stored)
     reader_worker.submit_load(2, reader.prepare_load(stored, ctx), GPULoadStoreSpec(list(range(20, 28)), [8], [0]))
     assert not run(reader_worker, 2)[0]
@@ -444,7 +444,7 @@ def test_a_corrupt_block_is_left_in_place_when_a_planted_link_blocks_its_quarant
     path = store_then_corrupt(manager, worker, ks, ctx, 0)
     outside = tmp_path / "outside"
     outside.mkdir()
-    quarantine = worker.tree.state_dir / "quarantine"
+    quarantine = worker.devices[0].state_dir / "quarantine"
     quarantine.parent.mkdir(exist_ok=True)
     if quarantine.exists():
         quarantine.rmdir()

@@ -128,7 +128,7 @@ def manager(tmp_path, **extra) -> PykvManager:
 
 def on_disk(m: PykvManager, keys) -> None:
     for key in keys:
-        path = m.tree.block_path(m.namespace.id, key)
+        path = m.devices[0].block_path(m.namespace.id, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
 
@@ -174,14 +174,14 @@ def test_lookups_after_an_admitted_gate_reuse_what_it_found(tmp_path, monkeypatc
     m = manager(tmp_path, breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 100}))
     on_disk(m, KEYS[:3])
     stats = []
-    contains = m.tree.contains
-    monkeypatch.setattr(m.tree, "contains", lambda ns, key: stats.append(key) or contains(ns, key))
+    contains = m.devices[0].contains
+    monkeypatch.setattr(m.devices[0], "contains", lambda ns, key: stats.append(key) or contains(ns, key))
     m.gate_request("r", [(CHUNK, KEYS[:4])], 0)  # 3 blocks on disk, the 4th missing: 192 tokens >= 100
     assert stats == KEYS[:4]
     assert lookups(m, "r", KEYS[:4]) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
     assert stats == KEYS[:4]  # no second look at the tree
     assert lookups(m, "other", KEYS[:1]) == [LookupResult.HIT] and stats == KEYS[:4] + KEYS[:1]
-    (m.tree.block_path(m.namespace.id, KEYS[0])).unlink()  # gone since: the next round looks again
+    (m.devices[0].block_path(m.namespace.id, KEYS[0])).unlink()  # gone since: the next round looks again
     m.gate_request("r", [(CHUNK, KEYS[:4])], 0)
     assert lookups(m, "r", KEYS[:1]) == [LookupResult.MISS]
 

@@ -74,8 +74,8 @@ def test_an_engine_with_another_configuration_never_reads_the_tree(tmp_path, var
         assert all(reader.manager.lookup(k, reader.ctx) is LookupResult.MISS for k in keys)
 
         # even a file carried by hand into the reader's namespace is refused (header names the writer's)
-        source = writer.worker.tree.block_path(writer.worker.namespace.id, keys[0])
-        target = reader.worker.tree.block_path(reader.worker.namespace.id, keys[0])
+        source = writer.worker.devices[0].block_path(writer.worker.namespace.id, keys[0])
+        target = reader.worker.devices[0].block_path(reader.worker.namespace.id, keys[0])
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
         failed, report = reader.load([keys[0]], first_block=40)

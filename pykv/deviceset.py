@@ -1,0 +1,149 @@
+"""Several trees, one per device, that hold one cache: each block lives on exactly one of them.
+
+A block's device is chosen from its key by rendezvous (highest-random-weight) hashing:
+each device scores the key with xxh3-64 seeded by the device's tree identity
+(``KVTree.identity``, kept in its marker) and the highest score wins. No index: every
+process with the same set computes the same place. Adding a device moves only the keys
+it now wins (about 1/N of them); removing one moves only its own. The set is named by
+the identities, so the order of ``roots`` and the mount paths do not matter.
+
+A set is refused (``InputError`` naming ``roots[i]``) when a root is missing or not a
+directory (a device that is not mounted is never replaced by an empty directory on
+another filesystem), when two roots are the same tree (the same directory, one inside
+another, or a copied marker), or when a root cannot be a tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import xxhash
+
+from pykv.errors import InputError, NotATreeError
+from pykv.namespace import Namespace
+from pykv.tree import MARKER_NAME, KVTree, TreeOptions
+
+log = logging.getLogger(__name__)
+
+ROOTS_KEY = "kv_connector_extra_config.roots"
+MAX_DEVICES = 64
+
+
+def rendezvous_index(key: bytes, seeds: Sequence[int]) -> int:
+    """The index of the seed that scores ``key`` highest (the first on a tie)."""
+    best, best_score = 0, -1
+    for index, seed in enumerate(seeds):
+        score = xxhash.xxh3_64_intdigest(key, seed)
+        if score > best_score:
+            best, best_score = index, score
+    return best
+
+
+class DeviceSet:
+    """Trees on several devices as one cache; ``index_of(key)`` says which holds a block."""
+
+    def __init__(self, trees: Sequence[KVTree], *, field: str = ROOTS_KEY) -> None:
+        if not trees:
+            raise InputError(f"{field}: expected at least one directory")
+        if len(trees) > MAX_DEVICES:
+            raise InputError(f"{field}: {len(trees)} roots; at most {MAX_DEVICES} devices")
+        _refuse_overlaps(trees, field)
+        self.trees = tuple(trees)
+        self.seeds = tuple(int(tree.identity, 16) for tree in self.trees)
+
+    @classmethod
+    def open(cls, roots: Sequence[Path | str], options: TreeOptions | None = None, *,
+             field: str = ROOTS_KEY) -> "DeviceSet":
+        """The existing trees at ``roots``; ``NotATreeError`` naming the root at fault."""
+        trees = []
+        for index, root in enumerate(roots):
+            try:
+                trees.append(KVTree.open(root, options))
+            except NotATreeError as exc:
+                raise NotATreeError(f"{_name(field, index, len(roots))}: {exc}") from None
+        return cls(trees, field=field)
+
+    @classmethod
+    def create(cls, roots: Sequence[Path | str], options: TreeOptions | None = None, *,
+               field: str = ROOTS_KEY) -> "DeviceSet":
+        """Open ``roots`` as a set, making each missing marker (``KVTree.create``). With several roots
+        each must be an existing directory: a device that did not mount is refused, not filled."""
+        if len(roots) > 1:
+            for index, root in enumerate(roots):
+                if not os.path.isdir(root):
+                    what = "is not a directory" if os.path.lexists(root) else "does not exist"
+                    raise InputError(f"{_name(field, index, len(roots))}: {root} {what} (a device not mounted?); "
+                                     f"pykv serves a device set only with all of its devices")
+        trees = [KVTree.create(root, options, field=_name(field, index, len(roots)))
+                 for index, root in enumerate(roots)]
+        devices = cls(trees, field=field)
+        devices._warn_shared_filesystems(field)
+        return devices
+
+    def index_of(self, key: bytes) -> int:
+        """The device that holds block ``key`` (the same in every namespace)."""
+        return 0 if len(self.seeds) == 1 else rendezvous_index(key, self.seeds)
+
+    def tree_of(self, key: bytes) -> KVTree:
+        return self.trees[self.index_of(key)]
+
+    def ensure_namespace(self, namespace: Namespace) -> None:
+        """The namespace directory and record on every device (``OSError`` of the first that fails,
+        after trying them all)."""
+        first: OSError | None = None
+        for tree in self.trees:
+            try:
+                tree.ensure_namespace(namespace)
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        return tuple(tree.root for tree in self.trees)
+
+    def describe(self) -> list[dict[str, str]]:
+        """Each device's root and identity, in configuration order (for records and reports)."""
+        return [{"root": str(tree.root), "id": tree.identity} for tree in self.trees]
+
+    def __len__(self) -> int:
+        return len(self.trees)
+
+    def __iter__(self) -> Iterator[KVTree]:
+        return iter(self.trees)
+
+    def __getitem__(self, index: int) -> KVTree:
+        return self.trees[index]
+
+    def _warn_shared_filesystems(self, field: str) -> None:
+        seen: dict[int, int] = {}
+        for index, tree in enumerate(self.trees):
+            device = os.stat(tree.root).st_dev
+            if device in seen and len(self.trees) > 1:
+                log.warning("pykv: %s and %s are on the same filesystem: striping over them adds no bandwidth",
+                            _name(field, seen[device], 2), _name(field, index, 2))
+            seen.setdefault(device, index)
+
+
+def _name(field: str, index: int, count: int) -> str:
+    return f"{field}[{index}]" if count > 1 else field
+
+
+def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> None:
+    """Two roots that are one directory, one inside the other, or one tree (a copied marker)."""
+    real = [os.path.join(os.path.realpath(tree.root), "") for tree in trees]
+    owner: dict[str, int] = {}
+    for i, tree in enumerate(trees):
+        for j in range(i):
+            if real[i].startswith(real[j]) or real[j].startswith(real[i]):
+                raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {trees[j].root} and {trees[i].root} "
+                                 f"overlap (one directory, or one inside the other); give each device's tree once")
+        other = owner.setdefault(tree.identity, i)
+        if other != i:
+            raise InputError(f"{_name(field, other, 2)} and {_name(field, i, 2)}: {trees[other].root} and "
+                             f"{tree.root} are copies of one tree (identity {tree.identity}); give the copy a tree of its "
+                             f"own: remove its {MARKER_NAME} and run 'pykv init {tree.root}'")
