@@ -104,7 +104,7 @@ def test_dram_blocks_are_served_from_their_slots_and_released_early(store):
     end = client.wait(1)
     assert [r.job for r in client.released] == [1] and end.released and end.stores_ended == (0, 1, 2)
     for k in KEYS:
-        os.unlink(s.tree.block_path(NS.id, k))  # only the DRAM tier can serve now
+        os.unlink(s.devices[0].block_path(NS.id, k))  # only the DRAM tier can serve now
     submit(s, client, 2, KEYS[:2], load=True, dram=[0, 1], resident=True)
     assert not client.wait(2).failures and client.loaded == {k: payload(k) for k in KEYS[:2]}
     assert s.stats()["dram_delivered_blocks"] == 2 and s.reactor.stats["disk_reads"] == 0
@@ -114,11 +114,11 @@ def test_a_corrupt_file_is_quarantined_and_a_missing_one_is_not(store):
     s, client = store()
     submit(s, client, 1, KEYS[:2], load=False)
     client.wait(1)
-    path = s.tree.block_path(NS.id, KEYS[0])
+    path = s.devices[0].block_path(NS.id, KEYS[0])
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + 5)
         f.write(b"\x00\xff")
-    os.unlink(s.tree.block_path(NS.id, KEYS[1]))
+    os.unlink(s.devices[0].block_path(NS.id, KEYS[1]))
     submit(s, client, 2, KEYS[:2], load=True)
     end = client.wait(2)
     assert end.failures[0].step is Step.CHECK and end.failures[1].step is Step.OPEN
@@ -127,7 +127,7 @@ def test_a_corrupt_file_is_quarantined_and_a_missing_one_is_not(store):
 
 def test_a_store_the_medium_refuses_pauses_stores(store, tmp_path):
     s, client = store()
-    shard = s.tree.block_path(NS.id, KEYS[0]).parent.parent
+    shard = s.devices[0].block_path(NS.id, KEYS[0]).parent.parent
     shard.parent.mkdir(parents=True, exist_ok=True)
     shard.write_text("not a directory")  # the block's directory cannot be made
     submit(s, client, 1, KEYS[:1], load=False)
