@@ -46,7 +46,7 @@ def _staging(value: Any, key: str) -> int | None:
 
 def _roots(value: Any, key: str) -> tuple[str, ...]:
     items = tuple(value) if isinstance(value, (list, tuple)) else None
-    if items is None or not all(isinstance(item, str) and item.strip() for item in items):
+    if items is None or (isinstance(value, list) and not items) or not all(isinstance(item, str) and item.strip() for item in items):
         raise InputError(f"{PREFIX}.{key}: expected a list of directory paths, one per device, got {str(value)[:80]!r}")
     if len(items) > MAX_DEVICES:
         raise InputError(f"{PREFIX}.{key}: {len(items)} directories; at most {MAX_DEVICES} devices")

@@ -72,6 +72,7 @@ class DeviceSet:
         """Open ``roots`` as a set, making each missing marker (``KVTree.create``). With several roots
         each must be an existing directory: a device that did not mount is refused, not filled."""
         if len(roots) > 1:
+            _refuse_nested(roots, field)
             for index, root in enumerate(roots):
                 if not os.path.isdir(root):
                     what = "is not a directory" if os.path.lexists(root) else "does not exist"
@@ -133,15 +134,21 @@ def _name(field: str, index: int, count: int) -> str:
     return f"{field}[{index}]" if count > 1 else field
 
 
-def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> None:
-    """Two roots that are one directory, one inside the other, or one tree (a copied marker)."""
-    real = [os.path.join(os.path.realpath(tree.root), "") for tree in trees]
-    owner: dict[str, int] = {}
-    for i, tree in enumerate(trees):
+def _refuse_nested(roots: Sequence[Path | str], field: str) -> None:
+    """Two roots that are one directory or one inside the other (checked before anything is created)."""
+    real = [os.path.join(os.path.realpath(root), "") for root in roots]
+    for i in range(len(roots)):
         for j in range(i):
             if real[i].startswith(real[j]) or real[j].startswith(real[i]):
-                raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {trees[j].root} and {trees[i].root} "
+                raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {roots[j]} and {roots[i]} "
                                  f"overlap (one directory, or one inside the other); give each device's tree once")
+
+
+def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> None:
+    """Two roots that overlap (``_refuse_nested``) or are one tree (a copied marker)."""
+    _refuse_nested([tree.root for tree in trees], field)
+    owner: dict[str, int] = {}
+    for i, tree in enumerate(trees):
         other = owner.setdefault(tree.identity, i)
         if other != i:
             raise InputError(f"{_name(field, other, 2)} and {_name(field, i, 2)}: {trees[other].root} and "
