@@ -13,7 +13,8 @@ load, the loaded blocks hold the bytes the reference's cold prefill computed.
 
 Engines: reference (no connector) -> A (reload, shared prefix, corruption) ->
 B and C at the same time on A's tree (fresh processes, sharing, DRAM LRU / ARC)
--> F on a 4 MiB tmpfs (verify="header" control, disk full, read-only).
+-> F on a 4 MiB tmpfs (verify="header" control, disk full, read-only) -> S1 and S2: a tree
+striped over three roots (S2 a fresh engine with the roots listed in another order).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
 from pykv.blockfile import check_block  # noqa: E402
+from pykv.deviceset import DeviceSet  # noqa: E402
 
 from reliability.engines import (  # noqa: E402
     IN_PROCESS, REFERENCE_ENGINE, SamePath, finish, ktc, kv_digest, reference_steps, settle, snap, start,
@@ -225,3 +227,28 @@ def test_disk_full_and_read_only_tree_keep_serving_without_partial_files(engine_
     for path in files:
         if str(path) not in corrupted:
             check_block(path)  # raises on a partial or damaged file
+
+
+@pytest.fixture(scope="module")
+def striped(work, baseline) -> tuple[list[Path], dict, dict]:
+    roots = [work / f"device{i}" for i in range(3)]
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    fill = run(work, "S1", ktc(roots), [gen("t1a", "P1"), settle(work, "S1"), snap(work, "S1", "s1")])
+    hit = run(work, "S2", ktc(roots[::-1]), [gen("t1b", "P1"), kv("t1b", "P1"), settle(work, "S2"),
+                                             snap(work, "S2", "s2")])
+    return roots, fill, hit
+
+
+def test_a_tree_striped_over_three_roots_serves_a_fresh_engine(striped, baseline):
+    roots, fill, hit = striped
+    assert worker(fill, "s1")["store_published"] == 3
+    devices = DeviceSet.open(roots)
+    placed = [(i, path) for i, root in enumerate(roots) for path in block_files(root)]
+    assert len(placed) == 3 and all(devices.index_of(bytes.fromhex(path.stem)) == i for i, path in placed)
+    assert all((root / ns.name / "namespace.json").is_file() for root in roots
+               for ns in (roots[0]).iterdir() if ns.is_dir() and ns.name != ".pykv")
+    assert hit["t1b"][0]["num_cached_tokens"] == 3 * CHUNK
+    assert hit["t1b"][0]["tokens"] == baseline.at("P1", 3 * CHUNK)
+    assert hit["t1b-kv"] == baseline.kv["P1"]
+    assert worker(hit, "s2")["load_blocks_disk"] == 3

@@ -96,8 +96,10 @@ def run_code(code: str) -> dict:
     return {"op": "exec", "code": f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{code}"}
 
 
-def ktc(root: Path, block_tokens: int = 256, **keys) -> dict:
-    config = PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", **keys})
+def ktc(root: Path | list[Path], block_tokens: int = 256, **keys) -> dict:
+    """The kv-transfer config of a pykv engine on ``root`` (a list: ``roots``, one per device)."""
+    where = {"roots": [str(r) for r in root]} if isinstance(root, list) else {"root": str(root)}
+    config = PykvConfig.from_extra_config({**where, "staging_bytes": "16M", **keys})
     return config.to_kv_transfer_config(block_tokens)
 
 
