@@ -82,11 +82,11 @@ def test_the_connector_copies_a_pickle_payload_into_kv_and_never_unpickles_it(tm
     try:
         key = chunk_keys(1, salt=9)[0]
         c.store([key])
-        path = c.worker.tree.block_path(c.worker.namespace.id, key)
+        path = c.worker.devices[0].block_path(c.worker.namespace.id, key)
         header = check_block(path).header
         payload = (pickle_payload(marker) * (header.payload_length // 50 + 1))[:header.payload_length]
         os.unlink(path)
-        write_block(c.worker.tree, c.worker.namespace.id, key, header.geometry, payload)
+        write_block(c.worker.devices[0], c.worker.namespace.id, key, header.geometry, payload)
         failed, _ = c.load([key], first_block=40)
         assert not failed
         assert bytes(c.kv[0][40:40 + BPC].numpy().tobytes()) == payload[:BPC * PAGE]
@@ -243,7 +243,7 @@ def test_the_connector_misses_through_a_symlink_and_writes_nothing_outside(tmp_p
         keys = chunk_keys(2, salt=3)
         c.store(keys)
         outside = tmp_path / "outside"
-        final = c.worker.tree.block_path(c.worker.namespace.id, keys[0])
+        final = c.worker.devices[0].block_path(c.worker.namespace.id, keys[0])
         os.rename(final.parent, outside)  # the shard dir moved out, a link left in its place
         final.parent.symlink_to(outside)
         failed, report = c.load(keys, first_block=20)
