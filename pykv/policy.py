@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from pykv.policy_index import CATEGORIES, FifoMerge, Kind, Stage, StageIndex, Transfer
 from pykv.staging import SlotLedger

@@ -5,8 +5,9 @@ storage blocks from any thread. The reactor opens files ahead, reads each block
 into a staging slot, checks its header (and payload checksum when asked, on the
 verifier threads of ``reactor_verify`` so hashing never stalls the I/O) and
 hands every block that became ready in one iteration to the ``LoadSink`` as one
-batch. Each of the medium's ``lanes`` (devices) gets its own in-flight depth. Stores run the other way: the ``StoreSource`` fills a slot, the reactor
-seals it, writes header and payload to a temporary file and publishes it.
+batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
+Stores run the other way: the ``StoreSource`` fills a slot, the reactor seals
+it, writes header and payload to a temporary file and publishes it.
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
 schedules (this module), loads (``reactor_loads``) and stores (``reactor_stores``).
