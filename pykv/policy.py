@@ -338,8 +338,7 @@ class ReactorPolicy:
 
     def _speculating(self) -> set[int]:
         """The lanes where a speculative preload (not claimed) is opening or reading."""
-        return {lane for lane in range(self.lanes)
-                if any(self._index.size(stage, "speculative", lane) for stage in _SPECULATIVE_IO)}
+        return {lane for stage in _SPECULATIVE_IO for lane, _ in self._index.sizes(stage, "speculative")}
 
     def _may_speculate(self) -> bool:
         if self.ledger.free <= self.io_depth * self.lanes:
@@ -368,13 +367,18 @@ class ReactorPolicy:
             categories = CATEGORIES[kind]
         else:
             categories = ("load", "claimed") if demand else ("speculative",)
-        return FifoMerge((lane, self._index.oldest_first(stage, c, lane)) for lane in range(self.lanes)
-                         if lane not in skip for c in categories if self._index.size(stage, c, lane))
+        return FifoMerge((lane, self._index.oldest_first(stage, c, lane)) for c in categories
+                         for lane, _ in self._index.sizes(stage, c) if lane not in skip)
 
     def _per_lane(self, *stages: Stage, kinds: tuple[Kind, ...] = tuple(Kind)) -> list[int]:
         """Transfers in ``stages`` of ``kinds`` on each lane."""
-        return [sum(self._index.size(stage, c, lane) for stage in stages for kind in kinds for c in CATEGORIES[kind])
-                for lane in range(self.lanes)]
+        counts = [0] * self.lanes
+        for stage in stages:
+            for kind in kinds:
+                for category in CATEGORIES[kind]:
+                    for lane, size in self._index.sizes(stage, category):
+                        counts[lane] += size
+        return counts
 
     def _expect(self, transfer_id: int, stage: Stage) -> Transfer:
         t = self._transfers.get(transfer_id)

@@ -88,17 +88,19 @@ class StageIndex:
     """
 
     def __init__(self) -> None:
-        self._buckets: dict[tuple[Stage, str, int], tuple[list[int], dict[int, Transfer]]] = {}
+        # (stage, category) -> lane -> (orders ascending, order -> transfer)
+        self._buckets: dict[tuple[Stage, str], dict[int, tuple[list[int], dict[int, Transfer]]]] = {}
 
     def add(self, t: Transfer) -> None:
         if t.stage in _FINAL:
             return
-        orders, members = self._buckets.setdefault((t.stage, t.category, t.lane), ([], {}))
+        lanes = self._buckets.setdefault((t.stage, t.category), {})
+        orders, members = lanes.get(t.lane) or lanes.setdefault(t.lane, ([], {}))
         bisect.insort(orders, t.order)
         members[t.order] = t
 
     def remove(self, t: Transfer) -> None:
-        bucket = self._buckets.get((t.stage, t.category, t.lane))
+        bucket = self._buckets.get((t.stage, t.category), _NO_LANES).get(t.lane)
         if bucket is None or t.order not in bucket[1]:
             return
         orders, members = bucket
@@ -108,7 +110,7 @@ class StageIndex:
     def oldest_first(self, stage: Stage, category: str, lane: int) -> Iterator[Transfer]:
         """The bucket's transfers, oldest first, one at a time (nothing is copied): callers may move
         the transfer they were given to another stage before asking for the next."""
-        bucket = self._buckets.get((stage, category, lane))
+        bucket = self._buckets.get((stage, category), _NO_LANES).get(lane)
         if not bucket:
             return
         orders, members = bucket
@@ -119,13 +121,24 @@ class StageIndex:
             i = bisect.bisect_right(orders, order)  # resume after it, wherever the list moved
 
     def size(self, stage: Stage, category: str, lane: int) -> int:
-        bucket = self._buckets.get((stage, category, lane))
+        bucket = self._buckets.get((stage, category), _NO_LANES).get(lane)
         return len(bucket[1]) if bucket else 0
 
+    def sizes(self, stage: Stage, category: str) -> list[tuple[int, int]]:
+        """(lane, transfers) of each lane that has transfers in ``stage`` of ``category``."""
+        lanes = self._buckets.get((stage, category))
+        if not lanes:
+            return []
+        return [(lane, len(members)) for lane, (_, members) in lanes.items() if members]
+
     def of_category(self, category: str) -> Iterator[Transfer]:
-        for (_, name, _), (_, members) in list(self._buckets.items()):
+        for (_, name), lanes in list(self._buckets.items()):
             if name == category:
-                yield from list(members.values())
+                for _, members in list(lanes.values()):
+                    yield from list(members.values())
+
+
+_NO_LANES: dict = {}
 
 
 class FifoMerge:

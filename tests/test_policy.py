@@ -184,7 +184,8 @@ def _index_matches_a_scan(policy: ReactorPolicy) -> None:
     scanned: dict = {}
     for t in policy._transfers.values():
         scanned.setdefault((t.stage, t.category, t.lane), []).append(t.order)
-    indexed = {key: orders for key, (orders, members) in policy._index._buckets.items() if orders}
+    indexed = {(stage, category, lane): orders for (stage, category), lanes in policy._index._buckets.items()
+               for lane, (orders, members) in lanes.items() if orders}
     assert indexed == {key: sorted(orders) for key, orders in scanned.items()}
 
 
