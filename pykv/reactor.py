@@ -2,10 +2,12 @@
 
 Clients (the connector worker, ``pykv bench``, ``pykv warm``) submit jobs of
 storage blocks from any thread. The reactor opens files ahead, reads each block
-into a staging slot, checks its header (and payload checksum when asked) and
+into a staging slot, checks its header (and payload checksum when asked, on the
+verifier threads of ``reactor_verify`` so hashing never stalls the I/O) and
 hands every block that became ready in one iteration to the ``LoadSink`` as one
-batch. Stores run the other way: the ``StoreSource`` fills a slot, the reactor
-seals it, writes header and payload to a temporary file and publishes it.
+batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
+Stores run the other way: the ``StoreSource`` fills a slot, the reactor seals
+it, writes header and payload to a temporary file and publishes it.
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
 schedules (this module), loads (``reactor_loads``) and stores (``reactor_stores``).
@@ -37,6 +39,7 @@ from pykv.reactor_stores import StoreSteps
 from pykv.reactor_types import (STATS, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
                                 ReadyBlock, StoreBlock, StoreSource, TransferState, backend_depth, segment_count,
                                 slot_header)
+from pykv.reactor_verify import PayloadVerifier
 from pykv.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -57,15 +60,18 @@ class Reactor(LoadSteps, StoreSteps):
         segment = self.config.read_segment
         if segment < 0 or segment % 4096:
             raise ValueError(f"read_segment must be a multiple of 4096 bytes (or 0), got {segment}")
-        pieces = self.config.requests_per_read(pool.slot_bytes)
-        if pieces > 1 and backend.depth < self.config.io_depth * pieces + self.config.open_ahead:
+        pieces, lanes = self.config.requests_per_read(pool.slot_bytes), medium.lanes
+        if (pieces > 1 or lanes > 1) and backend.depth < lanes * (self.config.io_depth * pieces
+                                                                  + self.config.open_ahead):
             raise ValueError(f"backend depth {backend.depth} is too small for {self.config.io_depth} reads of "
-                             f"{pieces} pieces; use backend_depth()")
+                             f"{pieces} pieces on each of {lanes} lanes; use backend_depth()")
         self.backend, self.pool, self.medium = backend, pool, medium
         self.sink, self.source, self.on_job_done = sink, source, on_job_done
         self._staged = getattr(source, "staged", None)  # StoreSource's optional hook
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
-                                    max_speculative=self.config.max_speculative)
+                                    max_speculative=self.config.max_speculative, lanes=lanes)
+        self._verifier = PayloadVerifier(self.config.verify_threads) if self.config.verify == "full" else None
+        self._verifying = 0  # blocks on the verifier threads (their slots must outlive the checks)
         self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
         self._transfers: dict[int, TransferState] = {}
@@ -135,9 +141,11 @@ class Reactor(LoadSteps, StoreSteps):
                 self._done.wait(remaining)
 
     def close(self) -> None:
-        """Finish in-flight work, stop the thread and close the backend."""
+        """Finish in-flight work (I/O and checks), stop the threads and close the backend."""
         self._post(self._stop)
         self._thread.join()
+        if self._verifier is not None:
+            self._verifier.close()
         self.backend.close()
 
     # -- reactor thread ------------------------------------------------------------------------
@@ -154,7 +162,7 @@ class Reactor(LoadSteps, StoreSteps):
                 self._inbox.popleft()()
             self._perform(self.policy.step())
             self._note_high_water()
-            if self._stopping and self.backend.in_flight == 0 and not self._inbox:
+            if self._stopping and self.backend.in_flight == 0 and not self._verifying and not self._inbox:
                 return
             if self._inbox:
                 continue
@@ -171,7 +179,7 @@ class Reactor(LoadSteps, StoreSteps):
             self._transfers[self._next_id] = TransferState(state, index, block)
             if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
                 continue
-            self.policy.add(self._next_id, kind, slot=block.slot, urgent=urgent)
+            self.policy.add(self._next_id, kind, slot=block.slot, urgent=urgent, lane=self.medium.lane(block.path))
 
     def _note_high_water(self) -> None:
         ledger = self.pool.ledger

@@ -14,7 +14,7 @@ from typing import Hashable, Sequence
 
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
-from pykv.format import HEADER_SIZE, BlockHeader, verify_payload
+from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Deliver, Kind, Stage
 from pykv.reactor_types import JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
@@ -35,7 +35,7 @@ class LoadSteps:
             job = JobState(JobResult(("preload", path), Kind.PRELOAD, 1), 1, time.monotonic(), internal=True)
             self._transfers[self._next_id] = TransferState(job, 0, block, owners={owner})
             self._preloads[path] = self._next_id
-            self.policy.add(self._next_id, Kind.PRELOAD)
+            self.policy.add(self._next_id, Kind.PRELOAD, lane=self.medium.lane(block.path))
             self.stats["preloads_submitted"] += 1
 
     def _release_preloads(self, owner: Hashable) -> None:
@@ -154,19 +154,36 @@ class LoadSteps:
                     return
                 if t.header is None or t.done < t.expected:
                     raise FormatError(t.block.path, f"truncated: {t.done} bytes")
-                if self.config.verify == "full":
-                    verify_payload(t.header, self.pool.payload_view(t.slot, t.header.payload_length),
-                                   path=t.block.path)
             except FormatError as exc:
                 error = BlockFailure(Step.CHECK, detail=exc.reason)
         self._close(t)
         self.stats["disk_read_bytes"] += t.done
+        if error is None and self._verifier is not None:
+            self._verify(tid, t)
+            return
+        self._read_checked(tid, t, error)
+
+    def _verify(self, tid: int, t: TransferState) -> None:
+        """Hand the payload to the verifier threads; the I/O depth is free meanwhile, the slot held."""
+        self.policy.io_done(tid)
+        self._verifying += 1
+        payload = self.pool.payload_view(t.slot, t.header.payload_length)
+        self._verifier.submit(t.header, payload, t.block.path,
+                              lambda failure: self._post(lambda: self._on_verified(tid, failure)))
+
+    def _on_verified(self, tid: int, failure: BlockFailure | None) -> None:
+        self._verifying -= 1
+        self._read_checked(tid, self._transfers[tid], failure, verifying=True)
+
+    def _read_checked(self, tid: int, t: TransferState, error: BlockFailure | None, *,
+                      verifying: bool = False) -> None:
+        """The block's read ended: checked (``error`` None) or failed."""
         if error is not None:
             self._fail(t, error)
         else:
             t.read_ok = True
             t.job.result.bytes += t.expected
-        self.policy.read_done(tid, ok=error is None)
+        (self.policy.verified if verifying else self.policy.read_done)(tid, ok=error is None)
 
     def _check_header(self, t: TransferState) -> BlockHeader:
         return slot_header(self.pool, t.slot, t.block)

@@ -130,6 +130,7 @@ class ReactorConfig:
     verify: str = "full"  # "full": header and payload checksum; "header": header only
     max_speculative: int | None = None  # slots preloads may hold together (None: the policy's other bounds)
     read_segment: int = 0  # > 0: a block's first read goes out as parallel reads of this many bytes
+    verify_threads: int = 4  # threads that check payload checksums (verify="full") beside the reads
 
     def requests_per_read(self, slot_bytes: int) -> int:
         """I/O requests one block read may keep in flight (for sizing the backend's depth)."""
@@ -141,9 +142,10 @@ def segment_count(length: int, segment: int) -> int:
     return 1 if segment <= 0 or segment >= length else -(-length // segment)
 
 
-def backend_depth(config: ReactorConfig, slot_bytes: int) -> int:
-    """I/O depth a backend needs for a reactor with ``config`` (reads, opens, writes, closes in flight)."""
-    return 2 * (config.io_depth * config.requests_per_read(slot_bytes) + config.open_ahead) + 8
+def backend_depth(config: ReactorConfig, slot_bytes: int, lanes: int = 1) -> int:
+    """I/O depth a backend needs for a reactor with ``config`` over a medium of ``lanes`` devices
+    (reads, opens, writes, closes in flight; the depth and the open window are per lane)."""
+    return 2 * lanes * (config.io_depth * config.requests_per_read(slot_bytes) + config.open_ahead) + 8
 
 
 STATS = ("disk_reads", "disk_read_bytes", "delivered_blocks", "delivered_bytes", "preloads_submitted",

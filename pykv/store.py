@@ -130,8 +130,8 @@ def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, 
     medium = open_store_medium(devices, direct=devices_take_direct(devices))
     reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
-                                   read_segment=config.read_segment_bytes)
-    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes) * medium.lanes,
+                                   read_segment=config.read_segment_bytes, verify_threads=config.verify_threads)
+    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes),
                            directory=devices[0].root)
     return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
                    on_job_done=on_job_done)

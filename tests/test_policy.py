@@ -180,11 +180,12 @@ def test_a_transfer_with_its_own_slot_takes_none_from_the_ledger():
 
 
 def _index_matches_a_scan(policy: ReactorPolicy) -> None:
-    """Every live transfer sits in exactly its (stage, category) bucket, in FIFO order."""
+    """Every live transfer sits in exactly its (stage, category, lane) bucket, in FIFO order."""
     scanned: dict = {}
     for t in policy._transfers.values():
-        scanned.setdefault((t.stage, t.category), []).append(t.order)
-    indexed = {key: orders for key, (orders, members) in policy._index._buckets.items() if orders}
+        scanned.setdefault((t.stage, t.category, t.lane), []).append(t.order)
+    indexed = {(stage, category, lane): orders for (stage, category), lanes in policy._index._buckets.items()
+               for lane, (orders, members) in lanes.items() if orders}
     assert indexed == {key: sorted(orders) for key, orders in scanned.items()}
 
 
