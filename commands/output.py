@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pykv.deviceset import DeviceSet
 from pykv.errors import InputError, PykvError
 from pykv.tree import MARKER_NAME, ROOT_EXEMPT, KVTree
 from pykv.units import format_size
@@ -154,6 +155,19 @@ EngineArgsOption = Annotated[Optional[str], typer.Option(
     "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")]
 RootArgument = Annotated[Path, typer.Argument(
     help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
+RootsArgument = Annotated[list[Path], typer.Argument(
+    metavar="ROOT", show_default=False,
+    help="The tree's root directory (holding pykv-tree.json); several: the trees of one device set, "
+         "one per device, as the engines' roots list them.")]
+
+
+def open_roots(roots: list[Path]) -> DeviceSet:
+    """The trees at ``ROOT...`` as one set: one root opens as ``KVTree.open`` does (its errors
+    unchanged); several are refused, naming ``ROOT[i]``, when one is missing, not a tree, or
+    overlaps another (``DeviceSet.open``)."""
+    if len(roots) == 1:
+        return DeviceSet([KVTree.open(roots[0])])
+    return DeviceSet.open(roots, field="ROOT")
 
 
 # -- KEY=VALUE options (--engine-arg, --set) --------------------------------------------------

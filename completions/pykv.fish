@@ -25,7 +25,7 @@ complete -c pykv -n '__fish_seen_subcommand_from inspect' -l json -d 'Print one 
 complete -c pykv -n '__fish_seen_subcommand_from inspect' -l no-catalog -d 'List every directory instead of reusing the scan cache in .pykv/catalog.db.'
 complete -c pykv -n '__fish_seen_subcommand_from inspect' -l help -d 'Show this message and exit.'
 complete -c pykv -n '__fish_seen_subcommand_from inspect' -a '(__fish_complete_directories)'
-complete -c pykv -n '__fish_seen_subcommand_from gc' -l max-size -r -d 'Size the tree must fit in, e.g. 500G (binary units).'
+complete -c pykv -n '__fish_seen_subcommand_from gc' -l max-size -r -d 'Size the tree must fit in, e.g. 500G (binary units); with several ROOTs, their total: blocks of all devices go in one least-recently-accessed order.'
 complete -c pykv -n '__fish_seen_subcommand_from gc' -l min-age -r -d 'Never delete blocks published less than this long ago.'
 complete -c pykv -n '__fish_seen_subcommand_from gc' -l dry-run -d 'Report what would be deleted; delete nothing.'
 complete -c pykv -n '__fish_seen_subcommand_from gc' -l json -d 'Print one JSON document instead of tables.'
