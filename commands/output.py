@@ -214,6 +214,22 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
     return values
 
 
+def root_settings(roots: list[str] | list[Path]) -> dict[str, Any]:
+    """The pykv key for repeated ``--root`` values: ``root`` for one directory, ``roots`` for several."""
+    if len(roots) == 1:
+        return {"root": str(roots[0])}
+    return {"roots": [str(root) for root in roots]}
+
+
+def check_new_roots(roots: list[Path]) -> None:
+    """``check_new_root`` of each; several must exist already (a device set: ``DeviceSet.create``)."""
+    for root in roots:
+        if len(roots) > 1 and not root.is_dir():
+            raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
+                             f"(a device not mounted?); each directory of a device set must exist")
+        check_new_root(root)
+
+
 def check_new_root(root: Path) -> None:
     """A new path, an empty directory or a pykv tree: never make a directory holding other data a tree."""
     if not root.exists():
