@@ -68,7 +68,8 @@ def bench_command(
         screen = Console(stderr=True)
 
         def run(progress: Any = None) -> list[Any]:
-            return run_bench(directories[0] if len(directories) == 1 else directories, depths=depths, block_size=block, size=total, repeat=repeat,
+            return run_bench(directories[0] if len(directories) == 1 else directories, depths=depths,
+                             block_size=block, size=total, repeat=repeat,
                              with_fio=fio, with_files=files, read_segment=segment, progress=progress)
         if screen.is_terminal:  # a bar on stderr for people; logs and pipes get none
             with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),

@@ -42,8 +42,9 @@ def fsck_command(
         if report.failed:  # the report says which; one line says that repair itself failed
             finding, error = report.failed[0]
             where = f"{report.root}: " if len(reports) > 1 else ""
-            typer.echo(error_line(f"{where}could not repair {len(report.failed)} of "
-                                  f"{plural(len(report.findings), 'problem')} (first: {finding.path}: {error})"), err=True)
+            message = (f"{where}could not repair {len(report.failed)} of {plural(len(report.findings), 'problem')} "
+                       f"(first: {finding.path}: {error})")
+            typer.echo(error_line(message), err=True)
     if not all(report.clean for report in reports):
         raise typer.Exit(1)
 

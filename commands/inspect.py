@@ -75,6 +75,7 @@ def _render_devices(out: Console, data: dict[str, Any]) -> None:
     out.print(table("devices", ["root", "identity", "blocks", "bytes", "share", "unreachable"], rows,
                     right={"blocks", "bytes", "share", "unreachable"}))
     if data["unreachable_blocks"]:
-        out.print(f"unreachable: {plural(data['unreachable_blocks'], 'block')} ({size(data['unreachable_bytes'])}) on "
-                  "a device other than the one this set places them on (stored before a device was added or removed, or the "
-                  "set given is incomplete): engines with this set never read them; left in place, gc ages them out")
+        out.print(f"unreachable: {plural(data['unreachable_blocks'], 'block')} ({size(data['unreachable_bytes'])}) "
+                  "on a device other than the one this set places them on (stored before a device was added or "
+                  "removed, or the set given is incomplete): engines with this set never read them; left in place, "
+                  "gc ages them out")

@@ -130,8 +130,9 @@ class FsckReport:
                 "moved": [f.path for f in self.moved], "quarantine": self.quarantine,
                 "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
                 "clean": self.clean,
-                **({} if self.device_id is None else {"id": self.device_id, "unreachable_blocks": self.unreachable_blocks,
-                                                      "unreachable_bytes": self.unreachable_bytes})}
+                **({} if self.device_id is None else {
+                    "id": self.device_id, "unreachable_blocks": self.unreachable_blocks,
+                    "unreachable_bytes": self.unreachable_bytes})}
 
 
 def check_block_file(tree: KVTree, path: str) -> tuple[Problem, str] | None:

@@ -23,6 +23,12 @@ root's fd, ``pykv.io.safe_paths``) its header is read (``O_NOATIME``) and must b
 valid block header whose length is the file's size, and the file must have no other
 link. Anything else at a block's name is *junk*: left in place, counted and reported
 (``pykv fsck`` says what it is), never a reason to delete real blocks.
+
+Over a device set (``run_gc_devices``) the limit is the set's total: the blocks of all
+devices are planned and collected in one least-recently-accessed order (each device
+scanned through its own catalog, each unlink relative to its own root's fd), and every
+device records the run in its ``gc.json``. Blocks the set cannot reach
+(``pykv.maintenance.placement``) get no special treatment.
 """
 
 from __future__ import annotations
