@@ -131,3 +131,28 @@ def test_bench_cli_with_several_paths_names_the_given_paths(tmp_path):
 def test_bench_result_as_dict_leaves_out_an_unset_device():
     assert "device" not in BenchResult("e", "read", 1, 1, 1, 1.0).as_dict()
     assert BenchResult("e", "read", 1, 1, 1, 1.0, "all").as_dict()["device"] == "all"
+
+
+def test_the_calibration_file_records_the_device_set_and_reads_back(tmp_path):
+    from pykv.calibration import Calibration
+    from pykv.jobs.calibrate import _read_bandwidth
+    from pykv.jobs.calibrate_plan import CalibrationRun
+    from pykv.jobs.calibrate_summary import assemble
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for root in roots:
+        root.mkdir()
+    assert _read_bandwidth(bench_raw_set, roots, 4 * MIB) > 0  # all devices at once; the files removed
+    assert all(list(root.iterdir()) == [] for root in roots)
+    namespace = {"model": "m", "dtype": "bfloat16", "kv_layout": "L", "id": "ns1"}
+    samples = [{"path": "recompute", "tokens": 256, "seconds": 0.2}, {"path": "disk", "tokens": 256, "seconds": 0.1}]
+
+    def calibration(run):
+        return assemble(run, samples, {"store": {"engine": {"namespace": namespace, "gpu": "cpu"}, "seconds": 1}},
+                        direct=True, direct_note="", bandwidth=1.0, dropped={}, dram_bytes=0, per_token=None,
+                        settles=[])
+    several = calibration(CalibrationRun(model="m", root=roots[0], roots=roots, lengths=[256], tiers=["disk"]))
+    several.save(tmp_path / "cal.json")
+    medium = Calibration.load(tmp_path / "cal.json").medium
+    assert medium["devices"] == [str(r) for r in roots] and medium["path"] == str(roots[0])
+    one = calibration(CalibrationRun(model="m", root=roots[0], lengths=[256], tiers=["disk"]))
+    assert "devices" not in one.medium and one.medium["path"] == str(roots[0])  # as before: old files alike
