@@ -14,6 +14,7 @@ An ``OSError`` from the tree itself (permissions, I/O) is one such line with sta
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -222,7 +223,14 @@ def root_settings(roots: list[str] | list[Path]) -> dict[str, Any]:
 
 
 def check_new_roots(roots: list[Path]) -> None:
-    """``check_new_root`` of each; several must exist already (a device set: ``DeviceSet.create``)."""
+    """``check_new_root`` of each; several must exist already and must not overlap (a device set:
+    ``DeviceSet.create``, which the engine runs, refuses the same)."""
+    real = [os.path.join(os.path.realpath(root), "") for root in roots]
+    for i in range(len(roots)):
+        for j in range(i):
+            if real[i].startswith(real[j]) or real[j].startswith(real[i]):
+                raise InputError(f"--root {roots[j]} and --root {roots[i]} overlap (one directory, or one inside "
+                                 f"the other); give each device's directory once")
     for root in roots:
         if len(roots) > 1 and not root.is_dir():
             raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "

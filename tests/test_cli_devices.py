@@ -156,3 +156,16 @@ def test_the_calibration_file_records_the_device_set_and_reads_back(tmp_path):
     assert medium["devices"] == [str(r) for r in roots] and medium["path"] == str(roots[0])
     one = calibration(CalibrationRun(model="m", root=roots[0], lengths=[256], tiers=["disk"]))
     assert "devices" not in one.medium and one.medium["path"] == str(roots[0])  # as before: old files alike
+
+
+@pytest.mark.parametrize("command", [["serve", "m", "--dry-run"], ["warm", "PROMPTS", "--model", "m"], ["demo"]])
+def test_overlapping_roots_are_refused_in_one_line(tmp_path, command):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2]}\n')
+    args = [str(prompts) if word == "PROMPTS" else word for word in command]
+    for second in (tmp_path / "a", tmp_path / "a" / "b"):
+        result = invoke(*args, "--root", tmp_path / "a", "--root", second)
+        assert result.exit_code == 2 and result.stdout == ""
+        assert result.stderr.count("\n") == 1 and "overlap" in result.stderr
+    assert list((tmp_path / "a").iterdir()) == [tmp_path / "a" / "b"]
