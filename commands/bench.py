@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -19,8 +20,10 @@ from pykv.units import format_size, parse_int_list, parse_size, require_multiple
 
 
 def bench_command(
-    path: Annotated[Path | None, typer.Option(
-        "--path", metavar="DIR", help="Directory on the medium to measure (default: a temp directory).")] = None,
+    paths: Annotated[Optional[list[Path]], typer.Option(
+        "--path", metavar="DIR", help="Directory on the medium to measure (default: a temp directory); repeat "
+                                      "for several devices: measured all at once (device 'all') and each alone.")
+    ] = None,
     depth: Annotated[str, typer.Option("--depth", metavar="LIST", help="I/O depths, e.g. 1,4,16,64.")] = "1,4,16,64",
     block_size: Annotated[str, typer.Option(
         "--block-size", metavar="SIZE", help="Request size; a multiple of 4 KiB.")] = "28M",
@@ -35,7 +38,11 @@ def bench_command(
     )] = "0",
     as_json: JsonFlag = False,
 ) -> None:
-    """Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed)."""
+    """Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed).
+
+    Several --path: every engine and fio on all devices at once (--size and --depth per device),
+    then on each device alone; the reactor's files over all of them as one device set.
+    """
     depths = parse_int_list(depth, field="--depth")
     block = require_multiple(parse_size(block_size, field="--block-size"), ALIGNMENT, field="--block-size")
     total = parse_size(size, field="--size")
@@ -45,18 +52,24 @@ def bench_command(
     if total < block:
         raise InputError(f"--size: {format_size(total)} is smaller than --block-size {format_size(block)}")
     total -= total % block
-    if path is not None and not path.is_dir():
-        raise InputError(f"--path: {path} is not a directory")
-    with tempfile.TemporaryDirectory(prefix="pykv-bench-", dir=path) as directory:
-        supported, reason = direct_io_supported(directory)
-        if not supported:
-            raise InputError(f"--path: {path or directory} does not support O_DIRECT ({reason})")
+    given: list[Path | None] = list(paths) if paths else [None]
+    for path in given:
+        if path is not None and not path.is_dir():
+            raise InputError(f"--path: {path} is not a directory")
+    with contextlib.ExitStack() as stack:
+        directories = [Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pykv-bench-", dir=path)))
+                       for path in given]
+        for path, directory in zip(given, directories):
+            supported, reason = direct_io_supported(directory)
+            if not supported:
+                raise InputError(f"--path: {path or directory} does not support O_DIRECT ({reason})")
         if fio and not fio_available():
             warn("fio is not installed; measuring pykv only")
         screen = Console(stderr=True)
 
         def run(progress: Any = None) -> list[Any]:
-            return run_bench(Path(directory), depths=depths, block_size=block, size=total, repeat=repeat,
+            return run_bench(directories[0] if len(directories) == 1 else directories, depths=depths,
+                             block_size=block, size=total, repeat=repeat,
                              with_fio=fio, with_files=files, read_segment=segment, progress=progress)
         if screen.is_terminal:  # a bar on stderr for people; logs and pipes get none
             with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
@@ -66,8 +79,11 @@ def bench_command(
                                                                    total=total))
         else:
             results = run()
-    data = {"path": str(path or tempfile.gettempdir()), "block_size": block, "size": total, "repeat": repeat,
-            "results": [r.as_dict() for r in results]}
+    where = {"path": str(given[0] or tempfile.gettempdir())} if len(given) == 1 else {"paths": [str(p) for p in given]}
+    named = {str(directory): str(path) for path, directory in zip(given, directories)}  # the temp dir: its --path
+    data = {**where, "block_size": block, "size": total, "repeat": repeat,
+            "results": [{**r.as_dict(), **({"device": named.get(r.device, r.device)} if r.device else {})}
+                        for r in results]}
     emit(data, as_json=as_json, render=_render)
 
 
@@ -76,10 +92,17 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     results = data["results"]
     for r in results:
         fio = next((f for f in results if f["engine"].startswith("fio") and f["op"] == r["op"]
-                    and f["depth"] == r["depth"]), None)
+                    and f["depth"] == r["depth"] and f.get("device") == r.get("device")), None)
         ratio = f"{r['gb_per_s'] / fio['gb_per_s']:.0%}" if fio and fio["gb_per_s"] else "-"
-        rows.append([r["op"], r["depth"], r["engine"], f"{r['gb_per_s']:.3f}", ratio])
-    rows.sort(key=lambda row: (row[0], row[1]))
+        device = [] if "path" in data else [r["device"]]
+        rows.append([r["op"], r["depth"], *device, r["engine"], f"{r['gb_per_s']:.3f}", ratio])
+    if "path" in data:
+        rows.sort(key=lambda row: (row[0], row[1]))
+        columns, where = ["op", "depth", "engine", "GB/s", "of fio"], data["path"]
+    else:  # the aggregate first, then each device in the order given
+        order = {device: i for i, device in enumerate(["all", *data["paths"]])}
+        rows.sort(key=lambda row: (row[0], row[1], order.get(row[2], len(order))))
+        columns, where = ["op", "depth", "device", "engine", "GB/s", "of fio"], f"{len(data['paths'])} devices"
     out.print(table(f"O_DIRECT throughput, {format_size(data['block_size'])} requests, "
-                    f"{format_size(data['size'])} per pass, {data['path']}",
-                    ["op", "depth", "engine", "GB/s", "of fio"], rows, right={"depth", "GB/s", "of fio"}))
+                    f"{format_size(data['size'])} per pass" + ("" if "path" in data else " and device") + f", {where}",
+                    columns, rows, right={"depth", "GB/s", "of fio"}))

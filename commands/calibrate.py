@@ -24,9 +24,10 @@ DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,80k"
 def calibrate_command(
     model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
                                        help="Model directory or name, as vLLM takes it.")],
-    root: Annotated[Path, typer.Option("--root", metavar="DIR", show_default=False,
-                                       help="Directory on the medium to calibrate (a scratch tree is made and "
-                                            "removed inside it).")],
+    roots: Annotated[list[Path], typer.Option("--root", metavar="DIR", show_default=False,
+                                              help="Directory on the medium to calibrate (a scratch tree is made and "
+                                                   "removed inside it); repeat for a device set, one existing "
+                                                   "directory per device (recorded in the file's medium).")],
     lengths: Annotated[str, typer.Option("--lengths", metavar="LIST",
                                          help="Prefix lengths in tokens (1k = 1024), multiples of --block-tokens."
                                          )] = DEFAULT_LENGTHS,
@@ -72,7 +73,8 @@ def calibrate_command(
         except ImportError:
             raise InputError("--plot: matplotlib is not installed (pip install 'pykv[calibrate]'), "
                              "or pass --no-plot") from None
-    run = CalibrationRun(model=model, root=root, lengths=parse_lengths(lengths, multiple=block_tokens),
+    run = CalibrationRun(model=model, root=roots[0], roots=roots if len(roots) > 1 else [],
+                         lengths=parse_lengths(lengths, multiple=block_tokens),
                          tiers=tier_list, repeat=repeat, block_tokens=block_tokens,
                          engine_args=parse_engine_args(engine_args, engine_arg or []),
                          settings=parse_settings(settings or []),

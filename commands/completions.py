@@ -47,6 +47,7 @@ class Param:
     decl: str  # as --help shows it: "--max-size SIZE", "root <path>"
     help: str
     choices: tuple[str, ...] = ()
+    repeated: bool = False  # an argument taking any number of values (ROOT...)
 
     @property
     def is_path(self) -> bool:
@@ -75,13 +76,14 @@ def _path_kind(param: Any) -> str | None:
     descriptor = getattr(param, "type_descriptor", None)
     annotation = getattr(descriptor, "annotation", None)
     if annotation is not None:
-        is_path = annotation is Path or Path in getattr(annotation, "__args__", ())
+        args = getattr(annotation, "__args__", ())
+        is_path = annotation is Path or Path in args or any(Path in getattr(a, "__args__", ()) for a in args)
     else:
         is_path = type(getattr(param, "type", None)).__name__ == "Path"
     if not is_path:
         return None
     kind = getattr(param, "type", None)
-    if getattr(kind, "file_okay", True) is False or param.name in ("root", "path") or param.metavar == "DIR":
+    if getattr(kind, "file_okay", True) is False or param.name in ("root", "roots", "path") or param.metavar == "DIR":
         return "dir"
     return "file"
 
@@ -119,7 +121,8 @@ def describe(app: typer.Typer) -> tuple[str, list[CommandInfo]]:
             opts = tuple(param.opts) + tuple(param.secondary_opts) if is_option else ()
             takes_value = not is_option or not getattr(param, "is_flag", False)
             params.append(Param(param.name, opts, takes_value, _path_kind(param), bool(param.required), decl,
-                                " ".join(help_text.split()), _choices(param)))
+                                " ".join(help_text.split()), _choices(param),
+                                not is_option and getattr(param, "nargs", 1) == -1))
         commands.append(CommandInfo(name, command.get_short_help_str(limit=300), command.help or "",
                                     command.get_usage(ctx).removeprefix("Usage: "), tuple(params)))
     return group.help or "", commands
@@ -205,7 +208,7 @@ def zsh(commands: list[CommandInfo]) -> str:
                     spec += f":{_zsh_text(metavar)}:" + _zsh_action(option)
                 specs.append(spec)
         for argument in command.arguments:
-            optional = "" if argument.required else ":"
+            optional = "*" if argument.repeated else "" if argument.required else ":"
             action = _zsh_action(argument)
             specs.append(f"{optional}:{argument.name}:{action}")
         joined = " \\\n                    ".join(f"'{s}'" for s in specs)

@@ -7,14 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import parse_settings
+from pykv.commands.output import parse_settings, root_settings
 from pykv.config import DRAM_POLICIES, VERIFY_MODES, PykvConfig
 from pykv.errors import InputError
 
 
 def config_command(
-    root: Annotated[str, typer.Option("--root", metavar="DIR", show_default=False,
-                                      help="Directory of the pykv tree.")],
+    roots: Annotated[list[str], typer.Option("--root", "--roots", metavar="DIR", show_default=False,
+                                             help="Directory of the pykv tree; repeat for a device set, one "
+                                                  "directory per device (printed as roots).")],
     dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
                                                 help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
     dram_policy: Annotated[Optional[str], typer.Option("--dram-policy", metavar="|".join(DRAM_POLICIES),
@@ -33,7 +34,7 @@ def config_command(
         "--set", metavar="KEY=VALUE", help="Any other key of docs/configuration.md; repeatable.")] = None,
 ) -> None:
     """Print the JSON for vLLM's --kv-transfer-config that loads pykv (every key validated)."""
-    extra: dict[str, object] = {"root": root}
+    extra: dict[str, object] = root_settings(roots)
     named = {"dram_bytes": dram, "dram_policy": dram_policy, "staging_bytes": staging, "io_depth": io_depth,
              "verify": verify, "fsync": fsync}
     extra.update({key: value for key, value in named.items() if value is not None})

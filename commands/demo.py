@@ -9,32 +9,33 @@ from typing import Annotated, Optional
 import typer
 
 from pykv.commands.inspect import inspect_command
-from pykv.commands.output import check_new_root, console, table
+from pykv.commands.output import check_new_roots, console, table
 from pykv.counters import WorkerCounter
 from pykv.jobs.demo import PROMPT_TOKENS, STORAGE_BLOCK_TOKENS, run_demo
 from pykv.jobs.runner import require_vllm
 
 
 def demo_command(
-    root: Annotated[Optional[Path], typer.Option(
-        "--root", metavar="DIR", help="Tree to use and keep (default: a temporary one, removed at the end).")] = None,
+    roots: Annotated[Optional[list[Path]], typer.Option(
+        "--root", metavar="DIR", help="Tree to use and keep (default: a temporary one, removed at the end); "
+                                      "repeat for a device set, one existing directory per device.")] = None,
     log: Annotated[Path, typer.Option("--log", metavar="FILE", help="Where the engine's log goes.")] = Path(
         "pykv-demo.log"),
 ) -> None:
     """Run a tiny random Llama through vLLM with pykv twice; the second run loads its KV from the tree."""
-    if root is not None:
-        check_new_root(root)
+    if roots:
+        check_new_roots(roots)
     require_vllm("pykv demo")
     log = log.absolute()
     with tempfile.TemporaryDirectory(prefix="pykv-demo-") as directory:  # the model, results, default tree
         work = Path(directory)
-        _run_demo(root or work / "tree", work, log)
+        _run_demo(roots or [work / "tree"], work, log)
 
 
-def _run_demo(root: Path, work: Path, log: Path) -> None:
-    typer.echo(f"starting vLLM with pykv (tree {root}, engine log {log}); the engine takes about a minute "
-               "to start ...", err=True)
-    runs, counters = run_demo(root, work, log)
+def _run_demo(roots: list[Path], work: Path, log: Path) -> None:
+    typer.echo(f"starting vLLM with pykv (tree {', '.join(map(str, roots))}, engine log {log}); the engine takes "
+               "about a minute to start ...", err=True)
+    runs, counters = run_demo(roots, work, log)
     first, second = runs
     worker = counters.worker(0)
     rows = [[r["run"], r["num_cached_tokens"], f"{r['seconds']:.3f}", " ".join(map(str, r["tokens"]))] for r in runs]
@@ -49,4 +50,4 @@ def _run_demo(root: Path, work: Path, log: Path) -> None:
                  f"({full * STORAGE_BLOCK_TOKENS:,} tokens) come from pykv, its last "
                  f"{PROMPT_TOKENS - full * STORAGE_BLOCK_TOKENS} tokens are computed again.")
     screen.print(f"engine log: {log}")
-    inspect_command(root)
+    inspect_command(roots)

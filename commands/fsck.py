@@ -1,4 +1,5 @@
-"""``pykv fsck``: find and repair damage (``pykv.maintenance.fsck`` and ``repair``)."""
+"""``pykv fsck``: find and repair damage (``pykv.maintenance.fsck`` and ``repair``; several roots:
+``fsck_devices``, one report per device)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, RootArgument, emit, error_line, line, plural
-from pykv.maintenance import fsck, repair
-from pykv.tree import KVTree
+from pykv.commands.output import JsonFlag, RootsArgument, emit, error_line, line, open_roots, plural, size
+from pykv.maintenance import FsckReport, fsck, fsck_devices, repair
 from pykv.units import parse_duration
 
 
 def fsck_command(
-    root: RootArgument,
+    roots: RootsArgument,
     repair_: Annotated[bool, typer.Option(
         "--repair", help="Delete pykv's stale temps; move damaged blocks and everything pykv did not create "
                          "to .pykv/quarantine/.")] = False,
@@ -22,19 +22,58 @@ def fsck_command(
         "--grace", metavar="DURATION", help="Temp files younger than this belong to a writer at work.")] = "1h",
     as_json: JsonFlag = False,
 ) -> None:
-    """Check every file of the tree; exit 1 while problems remain."""
+    """Check every file of the tree; exit 1 while problems remain.
+
+    Several ROOTs are one device set: each device is checked and reported on its own. Blocks on
+    a device other than the one the set's placement picks are counted as unreachable, not as
+    problems: they are never moved or deleted (the set given may be only part of the engines').
+    """
     grace_s = parse_duration(grace, field="--grace")
-    tree = KVTree.open(root)
-    report = fsck(tree, grace_s=grace_s)
-    if repair_ and report.findings:
-        repair(tree, report)
-    emit(report.as_dict(), as_json=as_json, render=_render)
-    if report.failed:  # the report says which; one line says that repair itself failed
-        finding, error = report.failed[0]
-        typer.echo(error_line(f"could not repair {len(report.failed)} of {plural(len(report.findings), 'problem')} "
-                              f"(first: {finding.path}: {error})"), err=True)
-    if not report.clean:
+    devices = open_roots(roots)
+    reports = [fsck(devices[0], grace_s=grace_s)] if len(devices) == 1 else fsck_devices(devices, grace_s=grace_s)
+    for tree, report in zip(devices, reports):
+        if repair_ and report.findings:
+            repair(tree, report)
+    if len(reports) == 1:
+        emit(reports[0].as_dict(), as_json=as_json, render=_render)
+    else:
+        emit(_set_dict(reports), as_json=as_json, render=_render_set)
+    for report in reports:
+        if report.failed:  # the report says which; one line says that repair itself failed
+            finding, error = report.failed[0]
+            where = f"{report.root}: " if len(reports) > 1 else ""
+            message = (f"{where}could not repair {len(report.failed)} of {plural(len(report.findings), 'problem')} "
+                       f"(first: {finding.path}: {error})")
+            typer.echo(error_line(message), err=True)
+    if not all(report.clean for report in reports):
         raise typer.Exit(1)
+
+
+def _set_dict(reports: list[FsckReport]) -> dict[str, Any]:
+    """Several devices: each device's report and the totals."""
+    counts: dict[str, int] = {}
+    for report in reports:
+        for problem, count in report.counts.items():
+            counts[problem] = counts.get(problem, 0) + count
+    return {"roots": [report.root for report in reports],
+            "blocks_checked": sum(r.blocks_checked for r in reports),
+            "bytes_checked": sum(r.bytes_checked for r in reports), "counts": counts,
+            "unreachable_blocks": sum(r.unreachable_blocks for r in reports),
+            "unreachable_bytes": sum(r.unreachable_bytes for r in reports),
+            "clean": all(r.clean for r in reports), "devices": [r.as_dict() for r in reports]}
+
+
+def _render_set(out: Console, data: dict[str, Any]) -> None:
+    for index, device in enumerate(data["devices"]):
+        line(out, f"device {index}: {device['root']} (identity {device['id']})")
+        _render(out, device)
+        if device["unreachable_blocks"]:
+            line(out, f"unreachable {plural(device['unreachable_blocks'], 'block')} "
+                      f"({size(device['unreachable_bytes'])}): on this device, placed on another by this set "
+                      f"(left in place)")
+    line(out, f"{len(data['devices'])} devices: checked {plural(data['blocks_checked'], 'block')}, "
+              f"{plural(data['unreachable_blocks'], 'block')} unreachable; "
+              + ("clean" if data["clean"] else "problems remain"))
 
 
 def _render(out: Console, data: dict[str, Any]) -> None:

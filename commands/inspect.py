@@ -1,40 +1,56 @@
-"""``pykv inspect``: what a tree holds (``pykv.maintenance.inspect_tree``)."""
+"""``pykv inspect``: what a tree holds (``pykv.maintenance.inspect_tree``; several roots: ``inspect_devices``,
+the set's namespaces and a per-device table)."""
 
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, plural, size, table
+from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, open_roots, plural, size, table
 from pykv.errors import InputError
-from pykv.maintenance import inspect_tree
-from pykv.tree import KVTree
+from pykv.maintenance import inspect_devices
 
 
 def inspect_command(
-    root: Annotated[Optional[Path], typer.Argument(
-        envvar="PYKV_ROOT", show_default=False,
-        help="The tree's root directory; default $PYKV_ROOT.")] = None,
+    roots: Annotated[Optional[list[Path]], typer.Argument(
+        metavar="ROOT", show_default=False,
+        help="The tree's root directory; default $PYKV_ROOT (one directory). Several: the trees of one "
+             "device set, one per device.")] = None,
     as_json: JsonFlag = False,
     no_catalog: NoCatalogFlag = False,
 ) -> None:
-    """Show namespaces with file counts, bytes, age histogram, temp files and the last gc."""
-    if root is None:
-        raise InputError("no ROOT given and PYKV_ROOT is not set")
-    summary = inspect_tree(KVTree.open(root), use_catalog=not no_catalog)
-    emit(summary.as_dict(), as_json=as_json, render=_render)
+    """Show namespaces with file counts, bytes, age histogram, temp files and the last gc.
+
+    Several ROOTs are one device set: the namespaces and ages over all of them, and a table of
+    each device's blocks, bytes and share, with the blocks it holds that the set's placement puts
+    on another device (unreachable for engines with this set; left in place).
+    """
+    if not roots:
+        if not os.environ.get("PYKV_ROOT"):
+            raise InputError("no ROOT given and PYKV_ROOT is not set")
+        roots = [Path(os.environ["PYKV_ROOT"])]
+    devices = open_roots(roots)
+    summary = inspect_devices(devices, use_catalog=not no_catalog)
+    if len(devices) == 1:
+        emit(summary.summary.as_dict(), as_json=as_json, render=_render)
+    else:
+        emit(summary.as_dict(), as_json=as_json, render=_render)
 
 
 def _render(out: Console, data: dict[str, Any]) -> None:
     rows = [[ns["id"][:12] or "(root)", ns["description"], ns["files"], size(ns["bytes"]), ns["temp_files"],
              ns["foreign"]] for ns in data["namespaces"]]
     rows.append(["total", "", data["files"], size(data["bytes"]), data["temp_files"], data["foreign"]])
-    out.print(table(str(data["root"]), ["namespace", "description", "files", "bytes", "temps", "foreign"], rows,
+    title = str(data["root"]) if "root" in data else f"{len(data['roots'])} devices"
+    out.print(table(title, ["namespace", "description", "files", "bytes", "temps", "foreign"], rows,
                     right={"files", "bytes", "temps", "foreign"}))
+    if "devices" in data:
+        _render_devices(out, data)
     out.print(table("age since publication", ["age", "files"],
                     [[label, count] for label, count in data["ages"].items()], right={"files"}))
     if data["temp_files"]:
@@ -49,3 +65,17 @@ def _render(out: Console, data: dict[str, Any]) -> None:
         out.print("last gc: never")
     out.print(f"scanned in {data['seconds']:.2f}s ({data['dirs_listed']} dirs listed, "
               f"{data['dirs_cached']} from catalog)")
+
+
+def _render_devices(out: Console, data: dict[str, Any]) -> None:
+    rows = [[d["root"], d["id"], d["blocks"], size(d["bytes"]), f"{d['share']:.1%}", d["unreachable_blocks"]]
+            for d in data["devices"]]
+    rows.append(["total", "", data["files"], size(data["bytes"]), "100.0%" if data["bytes"] else "-",
+                 data["unreachable_blocks"]])
+    out.print(table("devices", ["root", "identity", "blocks", "bytes", "share", "unreachable"], rows,
+                    right={"blocks", "bytes", "share", "unreachable"}))
+    if data["unreachable_blocks"]:
+        out.print(f"unreachable: {plural(data['unreachable_blocks'], 'block')} ({size(data['unreachable_bytes'])}) "
+                  "on a device other than the one this set places them on (stored before a device was added or "
+                  "removed, or the set given is incomplete): engines with this set never read them; left in place, "
+                  "gc ages them out")

@@ -14,6 +14,7 @@ An ``OSError`` from the tree itself (permissions, I/O) is one such line with sta
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pykv.deviceset import DeviceSet
 from pykv.errors import InputError, PykvError
 from pykv.tree import MARKER_NAME, ROOT_EXEMPT, KVTree
 from pykv.units import format_size
@@ -154,6 +156,19 @@ EngineArgsOption = Annotated[Optional[str], typer.Option(
     "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")]
 RootArgument = Annotated[Path, typer.Argument(
     help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
+RootsArgument = Annotated[list[Path], typer.Argument(
+    metavar="ROOT", show_default=False,
+    help="The tree's root directory (holding pykv-tree.json); several: the trees of one device set, "
+         "one per device, as the engines' roots list them.")]
+
+
+def open_roots(roots: list[Path]) -> DeviceSet:
+    """The trees at ``ROOT...`` as one set: one root opens as ``KVTree.open`` does (its errors
+    unchanged); several are refused, naming ``ROOT[i]``, when one is missing, not a tree, or
+    overlaps another (``DeviceSet.open``)."""
+    if len(roots) == 1:
+        return DeviceSet([KVTree.open(roots[0])])
+    return DeviceSet.open(roots, field="ROOT")
 
 
 # -- KEY=VALUE options (--engine-arg, --set) --------------------------------------------------
@@ -198,6 +213,29 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
         if key in values:
             raise InputError(f"--engine-arg {key}: set by the command (see its --help)")
     return values
+
+
+def root_settings(roots: list[str] | list[Path]) -> dict[str, Any]:
+    """The pykv key for repeated ``--root`` values: ``root`` for one directory, ``roots`` for several."""
+    if len(roots) == 1:
+        return {"root": str(roots[0])}
+    return {"roots": [str(root) for root in roots]}
+
+
+def check_new_roots(roots: list[Path]) -> None:
+    """``check_new_root`` of each; several must exist already and must not overlap (a device set:
+    ``DeviceSet.create``, which the engine runs, refuses the same)."""
+    real = [os.path.join(os.path.realpath(root), "") for root in roots]
+    for i in range(len(roots)):
+        for j in range(i):
+            if real[i].startswith(real[j]) or real[j].startswith(real[i]):
+                raise InputError(f"--root {roots[j]} and --root {roots[i]} overlap (one directory, or one inside "
+                                 f"the other); give each device's directory once")
+    for root in roots:
+        if len(roots) > 1 and not root.is_dir():
+            raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
+                             f"(a device not mounted?); each directory of a device set must exist")
+        check_new_root(root)
 
 
 def check_new_root(root: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import check_new_root, parse_settings, warn
+from pykv.commands.output import check_new_roots, parse_settings, root_settings, warn
 from pykv.config import PykvConfig
 from pykv.jobs.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
@@ -26,8 +26,10 @@ def serve_command(
                                          help="Model directory or hub id, as vLLM takes it. Every argument after "
                                               "it that pykv does not know goes to vLLM (e.g. --port 8000 "
                                               "--block-size 32).")],
-    root: Annotated[Optional[Path], typer.Option("--root", metavar="DIR", envvar="PYKV_ROOT", show_default=False,
-                                                 help="Directory of the pykv tree (default $PYKV_ROOT).")] = None,
+    roots: Annotated[Optional[list[Path]], typer.Option(
+        "--root", metavar="DIR", show_default=False,
+        help="Directory of the pykv tree (default $PYKV_ROOT); repeat for a device set, one directory "
+             "per device (each must exist).")] = None,
     dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
                                                 help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
@@ -43,10 +45,12 @@ def serve_command(
     Sets PYTHONHASHSEED to 0 unless it is set (every engine of a tree must use the same). On a
     CPU-only install, vLLM reserves --gpu-memory-utilization of the RAM: 0.3 unless given.
     """
-    if root is None:
-        raise InputError("--root: missing (or set PYKV_ROOT)")
-    check_new_root(root)
-    extra = {"root": str(root), **parse_settings(settings or [])}
+    if not roots:
+        if not os.environ.get("PYKV_ROOT"):
+            raise InputError("--root: missing (or set PYKV_ROOT)")
+        roots = [Path(os.environ["PYKV_ROOT"])]
+    check_new_roots(roots)
+    extra = {**root_settings(roots), **parse_settings(settings or [])}
     if dram is not None:
         extra["dram_bytes"] = dram
     if block_tokens < 1:

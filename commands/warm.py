@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_root, emit,
-    parse_engine_args, parse_settings, table, warn)
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_roots, emit,
+    parse_engine_args, parse_settings, root_settings, table, warn)
 from pykv.config import PykvConfig
 from pykv.jobs.serve import check_vllm_args
 from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
@@ -27,8 +27,9 @@ def warm_command(
                                 'optional "id".', show_default=False)],
     model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
                                        help="Model name or directory, as given to vLLM.")],
-    root: Annotated[Path, typer.Option("--root", metavar="DIR", show_default=False,
-                                       help="Directory of the pykv tree.")],
+    roots: Annotated[list[Path], typer.Option("--root", metavar="DIR", show_default=False,
+                                              help="Directory of the pykv tree; repeat for a device set, one "
+                                                   "directory per device (as the server's).")],
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
                                               help="Tokens per storage block, as `pykv serve "
                                                    "--block-tokens` (and kv_transfer_config block_size).")] = 256,
@@ -50,11 +51,11 @@ def warm_command(
     blocks are all stored already are skipped. Uses $PYTHONHASHSEED (0 when unset, as pykv serve).
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
-    check_new_root(root)
+    check_new_roots(roots)
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_settings(settings or [])
-    if not PykvConfig.from_extra_config({"root": str(root), **extra}).store:  # every key checked up front
+    if not PykvConfig.from_extra_config({**root_settings(roots), **extra}).store:  # every key checked up front
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
     if block_tokens < 1:
@@ -63,7 +64,9 @@ def warm_command(
         raise InputError(f"--batch: expected a positive integer, got {batch}")
     require_vllm("pykv warm")
     vllm_args = check_vllm_args(ctx.args)
-    plan = WarmPlan(model=model, root=str(root.absolute()), prompts=items, settings=extra, engine_args=llm_args,
+    absolute = [str(root.absolute()) for root in roots]
+    plan = WarmPlan(model=model, root=absolute[0], roots=absolute if len(absolute) > 1 else [], prompts=items,
+                    settings=extra, engine_args=llm_args,
                     vllm_args=vllm_args, block_tokens=block_tokens, dry_run=dry_run, batch=batch)
     screen = Console(stderr=True)
     if screen.is_terminal:

@@ -79,7 +79,7 @@ _pykv() {
             ;;
         config)
             case "$prev" in
-                --root) :; return ;;
+                --root|--roots) :; return ;;
                 --dram) :; return ;;
                 --dram-policy) COMPREPLY=($(compgen -W "lru arc" -- "$cur")); return ;;
                 --staging) :; return ;;
@@ -89,7 +89,7 @@ _pykv() {
                 --set) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--root --dram --dram-policy --staging --io-depth --verify --fsync --no-fsync --block-tokens --set --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--root --roots --dram --dram-policy --staging --io-depth --verify --fsync --no-fsync --block-tokens --set --help" -- "$cur"))
             fi
             ;;
         calibrate)

@@ -62,7 +62,7 @@ ProgressCallback = Callable[[str, int, int], None]
 # -- the orchestration ---------------------------------------------------------------------------
 def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = None) -> Calibration:
     """Measure, fit and return the calibration; see the module docstring."""
-    from pykv.bench import bench_raw
+    from pykv.bench import bench_raw_set
     from pykv.io.probe import direct_io_supported
 
     per_token = kv_bytes_per_token(run.model, run.engine_args)
@@ -72,17 +72,20 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
             raise InputError(f"--dram-bytes: cannot size the DRAM tier from {run.model}/config.json; give a size "
                              f"that holds the longest prompt's KV")
         dram_bytes = int(max(run.lengths) * per_token * 1.25) + (64 << 20)
-    run.root.mkdir(parents=True, exist_ok=True)
+    run.root.mkdir(parents=True, exist_ok=True)  # one device: made if missing; a set's must exist
     work = Path(tempfile.mkdtemp(prefix="pykv-calibrate-"))
-    scratch = Path(tempfile.mkdtemp(prefix=".pykv-calibrate-", dir=run.root))
+    scratches: list[Path] = []
     try:
-        phases = plan_phases(run, scratch, work, dram_bytes or 0)
+        scratches += [Path(tempfile.mkdtemp(prefix=".pykv-calibrate-", dir=root)) for root in run.root_paths]
+        phases = plan_phases(run, scratches if len(scratches) > 1 else scratches[0], work, dram_bytes or 0)
         total = sum(p.units for p in phases) + 1
         done = 0
         if progress:
             progress("measuring the medium's read bandwidth", done, total)
-        direct, direct_note = direct_io_supported(scratch)
-        bandwidth = _read_bandwidth(bench_raw, scratch, run.bandwidth_bytes) if direct else None
+        notes = [direct_io_supported(scratch) for scratch in scratches]
+        direct = all(ok for ok, _ in notes)
+        direct_note = next((note for ok, note in notes if not ok), notes[0][1])
+        bandwidth = _read_bandwidth(bench_raw_set, scratches, run.bandwidth_bytes) if direct else None
         done += 1
         samples: list[dict[str, Any]] = []
         settles: list[dict[str, Any]] = []  # the store engine's waits for its writes between lengths
@@ -120,23 +123,28 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
         shutil.rmtree(work, ignore_errors=True)  # interrupted on purpose: no logs to keep
         raise
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        for scratch in scratches:
+            shutil.rmtree(scratch, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     return calibration
 
 
-def _read_bandwidth(bench_raw: Callable[..., Any], directory: Path, size: int) -> float | None:
-    """O_DIRECT sequential read GB/s of the medium (``pykv bench``'s raw pass), None if not measurable."""
+def _read_bandwidth(bench_raw_set: Callable[..., Any], directories: list[Path], size: int) -> float | None:
+    """O_DIRECT sequential read GB/s of the medium (``pykv bench``'s raw pass; a device set: all
+    devices at once, ``size`` on each), None if not measurable."""
     block = min(4 << 20, max(4096, size - size % 4096))
     if size < block:
         return None
+    files = [directory / "bandwidth.dat" for directory in directories]
     try:
-        results = bench_raw("auto", directory / "bandwidth.dat", size=size - size % block, block_size=block, depth=16)
+        results = bench_raw_set("auto", files, size=size - size % block, block_size=block, depth=16)
     except OSError as exc:
-        log.warning("pykv calibrate: cannot measure the read bandwidth of %s: %s", directory, exc)
+        log.warning("pykv calibrate: cannot measure the read bandwidth of %s: %s",
+                    ", ".join(map(str, directories)), exc)
         return None
     finally:
-        (directory / "bandwidth.dat").unlink(missing_ok=True)
+        for file in files:
+            file.unlink(missing_ok=True)
     reads = [r for r in results if r.op == "read"]
     return round(reads[0].gb_per_s, 3) if reads else None
 

@@ -61,7 +61,8 @@ def calibration_phase(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
 
     started = time.perf_counter()
     llm = compat.LLM(**plan["engine"])
-    root = (plan["engine"].get("kv_transfer_config") or {}).get("kv_connector_extra_config", {}).get("root")
+    extra = (plan["engine"].get("kv_transfer_config") or {}).get("kv_connector_extra_config", {})
+    root = extra.get("root") or (extra.get("roots") or [None])[0]  # every device holds the namespace records
     events.emit("started", seconds=round(time.perf_counter() - started, 2), engine=describe_engine(root))
     params = compat.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     stats, block_tokens = plan["stats"], plan["block_tokens"]

@@ -26,6 +26,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager":
                                    "enable_prefix_caching": False, "seed": 0}
 """``LLM(...)`` arguments every calibration engine gets unless ``engine_args`` say otherwise."""
 RESERVED_SETTINGS = {"root": "calibration uses a scratch tree under --root",
+                     "roots": "calibration uses a scratch tree under each --root",
                      "dram_bytes": "use --dram-bytes", "breakeven_file": "calibration runs without a gate",
                      "breakeven_override": "calibration runs without a gate",
                      "store": "calibration stores the prompts it measures"}
@@ -36,7 +37,7 @@ class CalibrationRun:
     """What to measure and how; ``engine_args`` go to ``vllm.LLM`` as they are."""
 
     model: str
-    root: Path
+    root: Path  # the medium's directory; with ``roots``, the first of them
     lengths: list[int]
     tiers: list[str] = field(default_factory=lambda: list(TIERS))
     repeat: int = 3
@@ -52,9 +53,20 @@ class CalibrationRun:
     check_gate: bool = False
     """After the disk engine, run each length through an engine gated by the fitted thresholds."""
     python: str = sys.executable
+    roots: list[Path] = field(default_factory=list)
+    """A device set: one directory per device (each must exist); the scratch tree is a set of one per device."""
+
+    @property
+    def root_paths(self) -> list[Path]:
+        return list(self.roots) or [self.root]
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+        self.roots = [Path(root) for root in self.roots]
+        for root in self.roots if len(self.roots) > 1 else ():
+            if not root.is_dir():
+                raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
+                                 f"(a device not mounted?); each directory of a device set must exist")
         if not self.lengths:
             raise InputError("--lengths: no lengths to measure")
         if self.repeat < 1:
@@ -65,7 +77,7 @@ class CalibrationRun:
             if key in RESERVED_SETTINGS:
                 raise InputError(f"--set {key}: not allowed here ({RESERVED_SETTINGS[key]})")
         from pykv.config import PykvConfig
-        PykvConfig.from_extra_config({"root": str(self.root), **self.settings})  # raises naming a bad key
+        PykvConfig.from_extra_config({**scratch_roots(self.root_paths), **self.settings})  # raises naming a bad key
 
 
 @dataclass
@@ -94,9 +106,16 @@ def engine_kwargs(run: CalibrationRun) -> dict[str, Any]:
     return kwargs
 
 
-def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int) -> list[Phase]:
-    """The engines and requests of a calibration (``dram_bytes``: the store engine's DRAM tier;
-    ``work``: the work directory, where the gated engine's calibration file ``GATE_FILE`` will be)."""
+def scratch_roots(scratch: Path | list[Path]) -> dict[str, Any]:
+    """The pykv key for the scratch tree: ``root``, or ``roots`` for one per device."""
+    paths = scratch if isinstance(scratch, list) else [scratch]
+    return {"roots": [str(p) for p in paths]} if len(paths) > 1 else {"root": str(paths[0])}
+
+
+def plan_phases(run: CalibrationRun, scratch: Path | list[Path], work: Path, dram_bytes: int) -> list[Phase]:
+    """The engines and requests of a calibration (``scratch``: the scratch tree's directory, a list
+    for a device set; ``dram_bytes``: the store engine's DRAM tier; ``work``: the work directory,
+    where the gated engine's calibration file ``GATE_FILE`` will be)."""
     from pykv.config import PykvConfig
 
     warm = min(run.lengths)
@@ -107,7 +126,7 @@ def plan_phases(run: CalibrationRun, scratch: Path, work: Path, dram_bytes: int)
         return {"op": "measure", "path": path, "tokens": tokens, "rep": rep, "seed": seed, "warmup": warmup}
 
     def pykv(dram: int, **gate: str) -> dict[str, Any]:
-        extra = {"root": str(scratch), **run.settings, "dram_bytes": dram, **gate}
+        extra = {**scratch_roots(scratch), **run.settings, "dram_bytes": dram, **gate}
         return PykvConfig.from_extra_config(extra).to_kv_transfer_config(run.block_tokens)
 
     def repeated(path: str, warm_seed: int = 1) -> list[dict[str, Any]]:

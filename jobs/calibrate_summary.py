@@ -117,7 +117,8 @@ def assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[s
                        tiers=tiers, namespace=namespace.get("id"), gpu=store.get("gpu", ""),
                        vllm_version=store.get("vllm_version", ""),
                        medium={"path": str(run.root), "read_gb_per_s": bandwidth, "direct_io": direct,
-                               "page_cache": page_cache},
+                               "page_cache": page_cache,
+                               **({"devices": [str(root) for root in run.roots]} if len(run.roots) > 1 else {})},
                        details=details)
 
 

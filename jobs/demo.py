@@ -26,23 +26,26 @@ DEADLINE_SECONDS = 1800.0
 """The demo takes a minute or two on a laptop; a run this long is stuck."""
 
 
-def run_demo(root: Path, work: Path, log: Path) -> tuple[list[dict[str, Any]], CounterSnapshot]:
-    """Run the demo with its tree at ``root`` (the model and counters go to ``work``, the engine's
-    output to ``log``); its two runs and pykv's counters."""
+def run_demo(root: Path | list[Path], work: Path, log: Path) -> tuple[list[dict[str, Any]], CounterSnapshot]:
+    """Run the demo with its tree at ``root`` (a list: a device set, one directory per device; the
+    model and counters go to ``work``, the engine's output to ``log``); its two runs and pykv's counters."""
+    roots = [str(r) for r in root] if isinstance(root, list) else [str(root)]
     stats = work / "stats"
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", COUNTERS_ENV: str(stats),
            "TMPDIR": str(work)}  # what vLLM leaves in the temp directory goes with the work directory
-    job = EngineJob("demo", "pykv.jobs.demo", {"root": str(root), "model": str(work / "tiny-llama")}, work,
+    job = EngineJob("demo", "pykv.jobs.demo", {"roots": roots, "model": str(work / "tiny-llama")}, work,
                     env=env, log=log, deadline=DEADLINE_SECONDS)
     result = job.run()
     return result["runs"], read_counters(stats)
 
 
-def wait_for_blocks(root: Path, expected: int, timeout: float = 60.0) -> int:
-    """Wait until ``expected`` block files are published under ``root``; return how many are."""
+def wait_for_blocks(root: Path | list[Path], expected: int, timeout: float = 60.0) -> int:
+    """Wait until ``expected`` block files are published under ``root`` (or all of a list of roots);
+    return how many are."""
     deadline = time.monotonic() + timeout
+    roots = root if isinstance(root, list) else [root]
     while True:
-        found = sum(1 for p in root.rglob("*.kv") if ".pykv" not in p.parts)
+        found = sum(1 for r in roots for p in r.rglob("*.kv") if ".pykv" not in p.parts)
         if found >= expected or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
@@ -54,9 +57,10 @@ def demo_job(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
     from pykv.connector import compat
     from pykv.jobs.tiny_model import make_tiny_llama
 
-    root = Path(plan["root"])
+    roots = [Path(r) for r in plan.get("roots") or [plan["root"]]]
     model = make_tiny_llama(Path(plan["model"]))
-    config = PykvConfig.from_extra_config({"root": str(root)}).to_kv_transfer_config(STORAGE_BLOCK_TOKENS)
+    where: dict[str, Any] = {"roots": [str(r) for r in roots]} if len(roots) > 1 else {"root": str(roots[0])}
+    config = PykvConfig.from_extra_config(where).to_kv_transfer_config(STORAGE_BLOCK_TOKENS)
     events.progress("engine", 0, 3)
     llm = compat.LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=32,
                      max_model_len=4096, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0,
@@ -71,7 +75,7 @@ def demo_job(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
         runs.append({"run": attempt, "seconds": round(time.perf_counter() - started, 3),
                      "num_cached_tokens": output.num_cached_tokens, "tokens": list(output.outputs[0].token_ids)})
         if attempt == 1:
-            wait_for_blocks(root, PROMPT_TOKENS // STORAGE_BLOCK_TOKENS)
+            wait_for_blocks(roots, PROMPT_TOKENS // STORAGE_BLOCK_TOKENS)
         events.progress("run", attempt, 2)
     compat.shutdown_engine(llm)  # before os._exit: the engine core would otherwise outlive us
     return {"runs": runs}

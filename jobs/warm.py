@@ -170,7 +170,7 @@ class WarmPlan:
     """Everything one warm run needs; travels to the engine process as JSON."""
 
     model: str
-    root: str
+    root: str  # the tree's directory; with ``roots``, the first of them
     prompts: list[WarmPrompt]
     settings: dict[str, Any] = field(default_factory=dict)  # pykv keys (docs/configuration.md)
     engine_args: dict[str, Any] = field(default_factory=dict)  # vllm.LLM keyword arguments
@@ -178,6 +178,12 @@ class WarmPlan:
     block_tokens: int = 256
     dry_run: bool = False
     batch: int = 16
+    roots: list[str] = field(default_factory=list)  # a device set: every directory, one per device
+
+    @property
+    def root_paths(self) -> list[str]:
+        """The directories of the tree's devices (``roots``, or ``root`` alone)."""
+        return list(self.roots) or [self.root]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "prompts": [p.to_json() for p in self.prompts]}

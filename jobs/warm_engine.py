@@ -32,11 +32,11 @@ def engine_manager(llm: Any) -> Any:
 
 
 def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batch: int = 16,
-         settle_timeout: float = 300.0, progress: Progress | None = None, tree: Any = None) -> WarmSummary:
+         settle_timeout: float = 300.0, progress: Progress | None = None, devices: Any = None) -> WarmSummary:
     """Store the KV of ``prompts`` through ``llm`` (an in-process engine with pykv); see ``pykv.jobs.warm``.
 
-    ``tree``: the tree to check for present blocks (default: the engine's own; a dry run
-    passes the real tree, read only, or None when it does not exist)."""
+    ``devices``: the ``DeviceSet`` to check for present blocks (default: the engine's own; a dry
+    run passes the real set, read only, or None when it does not exist)."""
     from pykv.connector import compat
     from pykv.connector.offload_keys import PromptOffloadKeys
     started = time.monotonic()
@@ -48,10 +48,10 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
     threshold = gate.threshold("disk") if gate is not None else 0
     summary = WarmSummary(prompts=len(prompts), tokens_per_chunk=keys_of.tokens_per_chunk, dry_run=dry_run,
                           breakeven_tokens=None if gate is None else float(threshold))
-    if tree is None and not dry_run:
-        tree = manager.tree
-    present = (lambda key: False) if tree is None else (  # noqa: E731
-        lambda key: tree.contains(manager.namespace.id, key))
+    if devices is None and not dry_run:
+        devices = manager.devices
+    present = (lambda key: False) if devices is None else (  # noqa: E731
+        lambda key: devices.tree_of(key).contains(manager.namespace.id, key))
     seen: set[bytes] = set()
     to_store: set[bytes] = set()
     runs: list[dict[str, Any]] = []
@@ -129,23 +129,25 @@ def warm_job(data: dict[str, Any], events: EventLog) -> dict[str, Any]:
     ``scratch_root``, where a dry run's engine stores)."""
     from pykv.config import PykvConfig
     from pykv.connector import compat
+    from pykv.deviceset import DeviceSet
     from pykv.jobs.serve import engine_kwargs, with_platform_defaults
-    from pykv.tree import MARKER_NAME, KVTree
+    from pykv.tree import MARKER_NAME
 
     plan = WarmPlan.from_json(data["plan"])
     events.progress("engine", 0, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the manager must live in this process
-    engine_root, tree = plan.root, None
-    if plan.dry_run:  # the engine's pykv writes a scratch tree; the real one is only read
-        engine_root = data["scratch_root"]
-        if (Path(plan.root) / MARKER_NAME).exists():
-            tree = KVTree.open(plan.root)
-    config = PykvConfig.from_extra_config({"root": engine_root, **plan.settings})
+    roots, devices = plan.root_paths, None
+    where: dict[str, Any] = {"roots": roots} if len(roots) > 1 else {"root": roots[0]}
+    if plan.dry_run:  # the engine's pykv writes a scratch tree; the real set is only read
+        where = {"root": data["scratch_root"]}
+        if all((Path(root) / MARKER_NAME).exists() for root in roots):
+            devices = DeviceSet.open(roots)
+    config = PykvConfig.from_extra_config({**where, **plan.settings})
     kwargs = {**engine_kwargs(plan.model, with_platform_defaults(plan.vllm_args)), **plan.engine_args}
     if all(p.token_ids is not None for p in plan.prompts):
         kwargs.setdefault("skip_tokenizer_init", True)  # token ids only: no tokenizer needed
     llm = compat.LLM(model=plan.model, **kwargs, kv_transfer_config=config.to_kv_transfer_config(plan.block_tokens))
-    summary = warm(llm, plan.prompts, dry_run=plan.dry_run, batch=plan.batch, progress=events.progress, tree=tree)
+    summary = warm(llm, plan.prompts, dry_run=plan.dry_run, batch=plan.batch, progress=events.progress, devices=devices)
     return summary.to_json()
 
 

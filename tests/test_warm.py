@@ -215,3 +215,32 @@ def test_prompts_below_the_disk_break_even_length_are_skipped_and_counted(warm_r
     assert s["breakeven_tokens"] == 768
     assert s["prompts_below_breakeven"] == 1 and s["chunks_below_breakeven"] == 2  # 600 tokens: 2 blocks
     assert s["prompts_present"] == 1 and s["chunks_stored"] == 0  # prompt "a": stored earlier
+
+
+@pytest.mark.slow
+def test_warm_over_a_device_set_places_every_block_and_a_re_run_finds_them(tmp_path):
+    """Three roots (one device set): every stored block sits on the device placement picks, and a
+    dry re-run, reading the set as it is, finds all of them present."""
+    pytest.importorskip("vllm")
+    import os
+    from pykv.deviceset import DeviceSet
+    from pykv.jobs.tiny_model import make_tiny_llama
+    from pykv.maintenance.placement import block_key
+    model = make_tiny_llama(tmp_path / "model")
+    roots = [tmp_path / f"dev{i}" for i in range(3)]
+    for root in roots:
+        root.mkdir()
+    prompts = write(tmp_path / "prompts.jsonl", [json.dumps(p) for p in PROMPTS])
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    base = ["warm", prompts, "--model", model, *[a for r in roots for a in ("--root", r)], "--json", *TINY_ENGINE]
+    stored = summary(invoke(*base))
+    assert stored["chunks_stored"] == EXPECTED_BLOCKS and stored["chunks_missing"] == 0
+    devices = DeviceSet.open(roots)
+    placed = {root: block_files(root) for root in roots}
+    assert sum(len(files) for files in placed.values()) == EXPECTED_BLOCKS
+    for index, root in enumerate(roots):
+        assert all(devices.index_of(block_key(str(p))) == index for p in placed[root])
+    again = summary(invoke(*base, "--dry-run"))
+    assert again["chunks_stored"] == 0 and again["chunks_present"] == EXPECTED_BLOCKS
+    shown = json.loads(invoke("inspect", *roots, "--json").stdout)
+    assert shown["files"] == EXPECTED_BLOCKS and shown["unreachable_blocks"] == 0

@@ -6,13 +6,15 @@ write the tree: files vanishing mid-scan are expected, never errors.
 """
 
 from pykv.maintenance.catalog import Catalog, scan_tree
-from pykv.maintenance.fsck import Finding, FsckReport, Problem, check_block_file, fsck, repair
-from pykv.maintenance.gc import GcPlan, GcResult, collect, last_gc, plan_gc, record_gc, run_gc
-from pykv.maintenance.inspect import NamespaceSummary, TreeSummary, inspect_tree, summarize
+from pykv.maintenance.fsck import Finding, FsckReport, Problem, check_block_file, fsck, fsck_devices, repair
+from pykv.maintenance.gc import GcPlan, GcResult, collect, last_gc, plan_gc, record_gc, run_gc, run_gc_devices
+from pykv.maintenance.inspect import (DeviceSetSummary, NamespaceSummary, TreeSummary, inspect_devices, inspect_tree,
+                                      summarize)
 from pykv.maintenance.scan import Entry, Kind, LeafDir, Scan, list_leaf, walk, walk_structure
 
 __all__ = [
-    "Catalog", "Entry", "Finding", "FsckReport", "GcPlan", "GcResult", "Kind", "LeafDir", "NamespaceSummary",
-    "Problem", "Scan", "TreeSummary", "check_block_file", "collect", "fsck", "inspect_tree", "last_gc",
-    "list_leaf", "plan_gc", "record_gc", "repair", "run_gc", "scan_tree", "summarize", "walk", "walk_structure",
+    "Catalog", "DeviceSetSummary", "Entry", "Finding", "FsckReport", "GcPlan", "GcResult", "Kind", "LeafDir",
+    "NamespaceSummary", "Problem", "Scan", "TreeSummary", "check_block_file", "collect", "fsck", "fsck_devices",
+    "inspect_devices", "inspect_tree", "last_gc", "list_leaf", "plan_gc", "record_gc", "repair", "run_gc",
+    "run_gc_devices", "scan_tree", "summarize", "walk", "walk_structure",
 ]

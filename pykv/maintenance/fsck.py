@@ -30,6 +30,11 @@ or another host and is simply gone. Empty shard dirs are left alone: removing on
 could race a writer that just created it (``KVTree.ensure_parent``) and make its
 write fail. Block reads use ``O_NOATIME`` (``pykv.io.safe_paths``): fsck does not
 change what gc considers recently used.
+
+Over a device set (``fsck_devices``) each device is checked as a tree of its own and
+reported on its own; a sound block on a device other than the one the set's placement
+picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it
+is counted per device, never a problem, and never moved or deleted.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pykv.blockfile import check_block, read_header
+from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
 from pykv.format import HEADER_SIZE
+from pykv.maintenance.placement import reachable as is_reachable
 from pykv.maintenance.scan import Entry, Kind, relative, walk
 from pykv.io.safe_paths import unlink_beneath
 from pykv.tree import QUARANTINE_DIR, KVTree
@@ -97,6 +104,9 @@ class FsckReport:
     moved: list[Finding] = field(default_factory=list)  # of ``repaired``: renamed into quarantine
     failed: list[tuple[Finding, str]] = field(default_factory=list)
     quarantine: str | None = None
+    device_id: str | None = None  # the tree's identity, when checked as a device of a set
+    unreachable_blocks: int = 0  # sound blocks on a device the set does not look on (``placement``)
+    unreachable_bytes: int = 0
 
     @property
     def counts(self) -> dict[str, int]:
@@ -119,7 +129,10 @@ class FsckReport:
                 "repaired": len(self.repaired), "deleted": [f.path for f in self.deleted],
                 "moved": [f.path for f in self.moved], "quarantine": self.quarantine,
                 "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
-                "clean": self.clean}
+                "clean": self.clean,
+                **({} if self.device_id is None else {
+                    "id": self.device_id, "unreachable_blocks": self.unreachable_blocks,
+                    "unreachable_bytes": self.unreachable_bytes})}
 
 
 def check_block_file(tree: KVTree, path: str) -> tuple[Problem, str] | None:
@@ -169,8 +182,21 @@ def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int) -> tuple[Pr
     return None
 
 
-def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S) -> FsckReport:
-    """Walk the whole tree (no catalog) and check every entry; block files in full."""
+def fsck_devices(devices: DeviceSet, *, grace_s: float = DEFAULT_GRACE_S) -> list[FsckReport]:
+    """``fsck`` of every device of a set, each report with the device's identity and the count of
+    its sound blocks the set cannot reach (never a problem: ``pykv.maintenance.placement``)."""
+    reports = []
+    for index, tree in enumerate(devices):
+        report = fsck(tree, grace_s=grace_s, reachable=lambda path, i=index: is_reachable(devices, i, path))
+        report.device_id = tree.identity
+        reports.append(report)
+    return reports
+
+
+def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
+         reachable: Callable[[str], bool] | None = None) -> FsckReport:
+    """Walk the whole tree (no catalog) and check every entry; block files in full. ``reachable``:
+    whether a sound block's path is where its set looks for it (counted in ``unreachable_*``)."""
     report = FsckReport(root=str(tree.root))
     min_temp_mtime_ns = time.time_ns() - int(grace_s * 1e9)
     for entry in walk(tree):
@@ -181,6 +207,9 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S) -> FsckReport:
         if entry.kind is Kind.BLOCK:
             report.blocks_checked += 1
             report.bytes_checked += entry.size
+        if found is None and entry.kind is Kind.BLOCK and reachable is not None and not reachable(entry.path):
+            report.unreachable_blocks += 1
+            report.unreachable_bytes += entry.size
         if found is not None:
             problem, detail = found
             report.findings.append(Finding(relative(tree, entry.path), problem, detail,

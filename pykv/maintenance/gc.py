@@ -23,6 +23,12 @@ root's fd, ``pykv.io.safe_paths``) its header is read (``O_NOATIME``) and must b
 valid block header whose length is the file's size, and the file must have no other
 link. Anything else at a block's name is *junk*: left in place, counted and reported
 (``pykv fsck`` says what it is), never a reason to delete real blocks.
+
+Over a device set (``run_gc_devices``) the limit is the set's total: the blocks of all
+devices are planned and collected in one least-recently-accessed order (each device
+scanned through its own catalog, each unlink relative to its own root's fd), and every
+device records the run in its ``gc.json``. Blocks the set cannot reach
+(``pykv.maintenance.placement``) get no special treatment.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from pykv.blockfile import check_block
+from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError, InputError, UnsafePathError
 from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_beneath
 from pykv.maintenance.catalog import scan_tree
+from pykv.maintenance.placement import device_of_path, device_shares
 from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
 from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, write_small
 from pykv.units import MAX_DURATION_S, MAX_SIZE
@@ -129,6 +137,7 @@ class GcResult:
     junk_bytes: int = 0
     freed_by_namespace: Counter = field(default_factory=Counter)
     deleted: list[Entry] = field(default_factory=list, repr=False)
+    devices: list[dict[str, Any]] = field(default_factory=list)  # per device, when gc ran over a set
     finished_at: float = 0.0
     seconds: float = 0.0
 
@@ -142,16 +151,21 @@ class GcResult:
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (what ``gc.json`` and ``pykv gc --json`` hold)."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("deleted", "freed_by_namespace")}
+        data = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("deleted", "freed_by_namespace", "devices")}
         data["remaining_bytes"] = self.remaining_bytes
         data["target_reached"] = self.target_reached
         data["freed_by_namespace"] = dict(self.freed_by_namespace)
+        if self.devices:
+            data["devices"] = self.devices
         return data
 
 
-def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str] | None = None) -> GcResult:
+def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str] | None = None,
+            roots: Sequence[str | os.PathLike[str]] | None = None) -> GcResult:
     """Delete the plan's blocks, oldest access first, re-checking each just before (see the
-    module's docstring); with ``root``, every unlink is relative to the root's fd."""
+    module's docstring); with ``root``, every unlink is relative to the root's fd; with
+    ``roots`` (a device set's), relative to the fd of the root the block lies under."""
     result = GcResult(plan.max_size, plan.total_bytes, plan.total_files, dry_run,
                       young_files=plan.young_files, young_bytes=plan.young_bytes)
     candidates = plan.candidates
@@ -181,10 +195,11 @@ def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str]
             continue
         if not dry_run:
             try:
-                if root is None:
+                base = root if roots is None else roots[device_of_path(roots, entry.path)]
+                if base is None:
                     os.unlink(entry.path)
                 else:
-                    unlink_beneath(root, relative_to(root, entry.path))
+                    unlink_beneath(base, relative_to(base, entry.path))
             except FileNotFoundError:
                 needed -= entry.size
                 result.vanished_files += 1
@@ -228,6 +243,36 @@ def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
             record_gc(tree, result)
         except OSError as exc:  # a read-only .pykv must not turn a done gc into a failure
             log.warning("could not record gc in %s: %s", tree.state_dir / GC_STATE_NAME, exc)
+    return result
+
+
+def run_gc_devices(devices: DeviceSet, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
+                   dry_run: bool = False, use_catalog: bool = True) -> GcResult:
+    """``run_gc`` over a device set: ``max_size`` bounds the set's total, and the blocks of all
+    devices go in one least-recently-accessed order (each device scanned through its own
+    catalog). ``devices`` of the result: per device, what it held and what was freed there.
+    Every device records the set's outcome in its ``gc.json``."""
+    check_limits(max_size, min_age_s)
+    started = time.monotonic()
+    scans = [scan_tree(tree, use_catalog=use_catalog) for tree in devices]
+    with collector_paused():
+        result = collect(plan_gc([entry for scan in scans for entry in scan.entries], max_size, min_age_s=min_age_s),
+                         dry_run=dry_run, roots=devices.roots)
+    result.finished_at = time.time()
+    result.seconds = time.monotonic() - started
+    freed = [[0, 0] for _ in range(len(devices))]
+    for entry in result.deleted:
+        index = device_of_path(devices.roots, entry.path)
+        freed[index][0] += 1
+        freed[index][1] += entry.size
+    result.devices = [{**share.as_dict(), "freed_files": files, "freed_bytes": size}
+                      for share, (files, size) in zip(device_shares(devices, [s.entries for s in scans]), freed)]
+    if not dry_run:
+        for tree in devices:
+            try:
+                record_gc(tree, result)
+            except OSError as exc:
+                log.warning("could not record gc in %s: %s", tree.state_dir / GC_STATE_NAME, exc)
     return result
 
 

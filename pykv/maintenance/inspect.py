@@ -2,6 +2,10 @@
 
 Ages are measured from a block's mtime, its publication time (exact even from a
 cached scan); recency of access is gc's concern and is read fresh there.
+
+Over a device set (``inspect_devices``) the namespaces, ages and temps are summed over
+all devices, and each device's share comes with the blocks it holds that the set's
+placement puts elsewhere (``pykv.maintenance.placement``).
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
+from pykv.deviceset import DeviceSet
 from pykv.io.safe_paths import read_small
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.gc import last_gc
-from pykv.maintenance.scan import Entry, Kind
+from pykv.maintenance.placement import DeviceShare, device_shares
+from pykv.maintenance.scan import Entry, Kind, Scan
 from pykv.tree import NAMESPACE_FILE, KVTree
 
 #: Upper bounds (seconds) and labels of the age histogram's buckets.
@@ -142,15 +148,48 @@ def _add_differences(namespaces: list[NamespaceSummary]) -> None:
 
 def inspect_tree(tree: KVTree, *, use_catalog: bool = True) -> TreeSummary:
     """Scan ``tree`` (through the catalog when possible) and summarize it."""
+    return _inspect([tree], use_catalog=use_catalog)[0]
+
+
+@dataclass
+class DeviceSetSummary:
+    """A set's summary: namespaces, ages and temps over all devices, and each device's share."""
+
+    summary: TreeSummary  # its ``root``: the first device's
+    devices: list[DeviceShare]
+    last_gcs: list[dict[str, Any] | None]  # per device
+
+    def as_dict(self) -> dict[str, Any]:
+        """``TreeSummary.as_dict`` with ``roots`` for ``root`` and a ``devices`` table (each
+        device's share, its unreachable blocks and its last gc)."""
+        data = self.summary.as_dict()
+        del data["root"]
+        devices = [{**share.as_dict(), "last_gc": gc} for share, gc in zip(self.devices, self.last_gcs)]
+        return {"roots": [share.root for share in self.devices], **data, "devices": devices,
+                "unreachable_blocks": sum(share.unreachable_blocks for share in self.devices),
+                "unreachable_bytes": sum(share.unreachable_bytes for share in self.devices)}
+
+
+def inspect_devices(devices: DeviceSet, *, use_catalog: bool = True) -> DeviceSetSummary:
+    """Scan every device of ``devices`` (each through its catalog when possible) and summarize the set."""
+    summary, scans, gcs = _inspect(devices.trees, use_catalog=use_catalog)
+    return DeviceSetSummary(summary, device_shares(devices, [scan.entries for scan in scans]), gcs)
+
+
+def _inspect(trees: Sequence[KVTree], *, use_catalog: bool) -> tuple[TreeSummary, list[Scan], list[dict | None]]:
+    """The summary over ``trees`` (``root``: the first's; the last gc: the latest of theirs), their
+    scans and each one's last gc."""
     started = time.monotonic()
-    scan = scan_tree(tree, use_catalog=use_catalog)
-    summary = summarize(str(tree.root), scan.entries, now_ns=time.time_ns())
+    scans = [scan_tree(tree, use_catalog=use_catalog) for tree in trees]
+    summary = summarize(str(trees[0].root), (e for scan in scans for e in scan.entries), now_ns=time.time_ns())
     for space in summary.namespaces:
-        if space.id:
-            space.fields = read_namespace_fields(tree, space.id)
+        if space.id:  # every device holds the namespace's record; the first readable one counts
+            space.fields = next((found for tree in trees if (found := read_namespace_fields(tree, space.id))), {})
             space.description = describe_namespace(space.fields)
     _add_differences(summary.namespaces)
-    summary.last_gc = last_gc(tree)
-    summary.dirs_listed, summary.dirs_cached = scan.dirs_listed, scan.dirs_cached
+    gcs = [last_gc(tree) for tree in trees]
+    summary.last_gc = max((gc for gc in gcs if gc), key=lambda gc: gc["finished_at"], default=None)
+    summary.dirs_listed = sum(scan.dirs_listed for scan in scans)
+    summary.dirs_cached = sum(scan.dirs_cached for scan in scans)
     summary.seconds = time.monotonic() - started
-    return summary
+    return summary, scans, gcs
