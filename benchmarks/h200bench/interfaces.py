@@ -95,7 +95,8 @@ def pykv_bench(runner, directories: list[str], *, medium: str) -> None:
     """``pykv bench --path A --path B ... --json`` (aggregate and per device), when the command runs
     here; one ``pykv_bench`` record with its JSON or the error line."""
     argv = [sys.executable, "-m", "pykv.commands", "bench"] + [x for d in directories for x in ("--path", d)]
-    argv += ["--depth", "16", "--block-size", "4M", "--size", "1G", "--no-files", "--no-fio", "--json"]
+    argv += ["--depth", "16", "--block-size", "4M", "--size", "64M" if runner.smoke else "1G", "--no-files", "--no-fio",
+             "--json"]
     if runner.dry:
         print("  " + " ".join(argv[2:]))
         return
@@ -107,6 +108,8 @@ def pykv_bench(runner, directories: list[str], *, medium: str) -> None:
                               env=runner.env(), cwd=runner.work)
         if done.returncode == 0:
             rec["data"] = json.loads(done.stdout)
+            if len(directories) > 1 and not isinstance(rec["data"].get("paths", rec["data"].get("path")), list):
+                rec["note"] = "the command measured one path (it takes a single --path here)"
         else:
             lines = (done.stderr or done.stdout).strip().splitlines()
             rec["error"] = lines[-1][:300] if lines else f"rc {done.returncode}"

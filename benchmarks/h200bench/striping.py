@@ -7,7 +7,8 @@ S1: the device set (``--stripe-devices``, 8); aggregate O_DIRECT reads of 1 and 
     query engine (disk hits, DRAM tier 0; ``--stripe-queries`` queries per document); again with one
     root on device 0 (the control).
 S2: vLLM's native fs tier on device 0: fill engine, then per ``--fs-threads`` setting page cache
-    dropped and a fresh query engine (and the first setting again when time allows).
+    dropped and a fresh query engine (and the first setting again when time allows); then, when
+    time allows, S1's one-device pykv control again (the report pools both runs).
 S3: ``pykv calibrate`` over the N devices (the library call of stage K, ``--cal-*`` options) with
     the gated sweep.
 
@@ -91,6 +92,9 @@ def finish(runner, mnts: list[str]) -> None:
 def aggregate_bandwidth(runner, mnts: list[str]) -> None:
     """O_DIRECT reads of 1 and N devices at once (``multibw``), then ``pykv bench`` over the N paths."""
     dirs = [os.path.join(m, "bw") for m in mnts]
+    if not runner.dry:
+        from pykv.bench import fio_available
+        runner.record({"kind": "env", "stage": runner.stage, "what": "fio", "available": fio_available()})
     argv = [sys.executable, str(ENTRY), "mbw", "--results", str(runner.results), "--stage", runner.stage,
             "--dirs", ",".join(dirs), "--counts", f"1,{len(dirs)}" if len(dirs) > 1 else "1",
             "--size", str(int(runner.a.mbw_gib * GIB)), "--repeat", str(runner.a.mbw_repeat)]
@@ -104,8 +108,9 @@ def aggregate_bandwidth(runner, mnts: list[str]) -> None:
     clear(runner, mnts)
 
 
-def pykv_disk_hits(runner, mnts: list[str]) -> None:
-    """pykv with ``pykv config``'s defaults over ``mnts``: fill, page cache dropped, fresh query engine."""
+def pykv_disk_hits(runner, mnts: list[str], again: str = "") -> None:
+    """pykv with ``pykv config``'s defaults over ``mnts``: fill, page cache dropped, fresh query engine
+    (labels ending in ``again`` when the same measurement is repeated: the report pools both)."""
     name = medium(len(mnts))
     roots = [os.path.join(m, f"pykv-{name}") for m in mnts]
     if not runner.dry:
@@ -114,7 +119,7 @@ def pykv_disk_hits(runner, mnts: list[str]) -> None:
             os.makedirs(root)
     ktc = interfaces.pykv_config(runner, roots, medium=name)
     tags = dict(system="pykv", medium=name, variant="defaults", ktc=ktc, stats=True, docs=runner.loop_docs)
-    fill = runner.engine(f"pykv-{name}-fill", steps=[{"op": "fill"}, {"op": "settle", "timeout": 300}], **tags)
+    fill = runner.engine(f"pykv-{name}-fill{again}", steps=[{"op": "fill"}, {"op": "settle", "timeout": 300}], **tags)
     if fill != 0:
         log(f"pykv {name}: fill failed; query skipped")
         return
@@ -126,7 +131,7 @@ def pykv_disk_hits(runner, mnts: list[str]) -> None:
                                                     runner.info()["kv_bytes_per_token"])})
         runner.record({"kind": "drop_caches", "stage": runner.stage, "ok": drop_caches()})
     phases = ["query"] * max(1, runner.a.stripe_queries)
-    runner.engine(f"pykv-{name}-query", steps=[{"op": "query", "phases": phases}], **tags)
+    runner.engine(f"pykv-{name}-query{again}", steps=[{"op": "query", "phases": phases}], **tags)
     if not runner.dry and not runner.a.keep_trees:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
@@ -217,6 +222,12 @@ def stage_s2(runner) -> None:
     try:
         clear(runner, mnts[:1])
         native_fs(runner, mnts[0])
+        if runner.dry or runner.remaining() >= runner.a.optional_min_s + 20:
+            clear(runner, mnts[:1])  # the native tree: both do not fit one image
+            pykv_disk_hits(runner, mnts[:1], again="-again")  # the control again, beside the native engines
+        else:
+            log(f"pykv on one device again: skipped ({runner.remaining():.0f} s left)")
+            runner.record({"kind": "skipped", "stage": runner.stage, "label": "pykv-stripe1-again", "why": "time"})
     finally:
         finish(runner, mnts)
 

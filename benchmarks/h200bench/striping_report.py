@@ -78,13 +78,19 @@ def build(records: list[dict]) -> Section | None:
     for r in records:
         if r.get("kind") == "pykv_bench":
             s.lines("pykv bench (the command):", [f"{r.get('medium')}: " + (
-                f"error: {r['error']}" if "error" in r else best_bench_line(r.get("data") or {}))])
+                f"error: {r['error']}" if "error" in r else best_bench_line(r.get("data") or {}))
+                + (f" ({r['note']})" if r.get("note") else "")])
 
     # TTFT
     def ttft_rows(**match) -> list[dict]:
         return [r for r in latest_run(ttft, **match)]
 
-    pykv_rows = {n: ttft_rows(system="pykv", medium=f"stripe{n}") for n in counts}
+    def pooled(rows: list[dict], **match) -> list[dict]:
+        """The latest run of every engine label matching (a measurement repeated under another label)."""
+        labels = sorted({r["label"] for r in rows if all(r.get(k) == v for k, v in match.items())})
+        return [r for label in labels for r in latest_run(rows, label=label, **match)]
+
+    pykv_rows = {n: pooled(ttft, system="pykv", medium=f"stripe{n}") for n in counts}
     native_rows = [r for r in ttft if r.get("system") == "native_fs" and r.get("medium") == "stripe1"]
     variants = sorted({r["variant"] for r in native_rows}, key=lambda v: (v.endswith("again"), len(v), v))
     native = {v: ttft_rows(system="native_fs", medium="stripe1", variant=v) for v in variants}
@@ -115,6 +121,11 @@ def build(records: list[dict]) -> Section | None:
 
     # placement, configuration, calibration
     notes = []
+    for n in counts:
+        for label in sorted({r["label"] for r in pykv_rows[n]}):
+            per = [f"{length:,} {fmt(median([r['ttft'] for r in pykv_rows[n] if r['label'] == label and r['length'] == length]))} s"
+                   for length in lengths]
+            notes.append(f"{label}: " + ", ".join(per))
     for r in records:
         if r.get("kind") == "tree" and r.get("files_per_device"):
             notes.append(f"{r['medium']}: block files per device {r['files_per_device']}")
