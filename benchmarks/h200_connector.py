@@ -15,6 +15,7 @@ prompts, every result a JSON line.
     h200_connector.py report FILE...               tables, target ratios, markdown
     h200_connector.py engine CONFIG.json           (internal) one engine process
     h200_connector.py bw ...                       (internal) O_DIRECT / H2D probes
+    h200_connector.py mbw ...                      (internal) O_DIRECT of several devices at once
 
 Stages (each fits in one 10-minute device command; benchmarks/h200_run.sh STAGE):
   A  O_DIRECT (virtio) and pinned H2D bandwidth; recompute; native CPU tier
@@ -28,6 +29,10 @@ Stages (each fits in one 10-minute device command; benchmarks/h200_run.sh STAGE)
   L  loop device bandwidth sweep: request sizes, depths, split reactor reads
   K  `pykv calibrate` (library call) for --cal-shape on --cal-medium, with the
      gated sweep
+  S1 8 loop devices as one pykv cache: aggregate O_DIRECT of 1 and 8 devices,
+     pykv disk hits with `pykv config`'s defaults on 8 devices and on 1
+  S2 native fs tier on device 0 per --fs-threads setting; the 1-device control again
+  S3 `pykv calibrate` over the 8 devices, with the gated sweep
 
 pykv's load bandwidth is bytes / seconds of the request's load jobs (submission
 to the reactor until the last byte is on the GPU), as the worker counts them

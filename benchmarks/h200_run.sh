@@ -2,8 +2,9 @@
 # benchmarks/h200_run.sh STAGE [options of `h200_connector.py stage`]
 #
 # Runs one stage of the pykv H200 benchmark on the GPU host, from the repository
-# root (the device tool's working directory). STAGE: A, B, C, D, a comma list
-# (C,D), all, or report. See benchmarks/README.md for the device commands.
+# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1, S2, S3, a comma
+# list (C,D), all (A-M), report, or setup (install and import check only). See
+# benchmarks/README.md for the device commands.
 #
 # - installs vLLM 0.26 from the carried parts when $SITE/vllm is missing
 #   (shared/device/install.sh, run from $PARTS/part2);
@@ -22,7 +23,7 @@
 # `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
-STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|C,D|all|report) [stage options]}
+STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|C,D|all|report|setup) [stage options]}
 shift
 REPO=$(pwd)
 WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}
@@ -58,14 +59,15 @@ if [ ! -d "$SITE/vllm" ]; then
     fi
 fi
 
-# 2. pykv as installed: pykv/ with connector/ as pykv/connector and jobs/ as pykv/jobs
-#    (pyproject's package-dir mapping)
+# 2. pykv as installed: pykv/ with connector/ as pykv/connector, jobs/ as pykv/jobs and commands/ as
+#    pykv/commands (pyproject's package-dir mapping; the commands run only where typer and rich are)
 SHIM=$WORK/shim
 rm -rf "$SHIM" && mkdir -p "$SHIM"
 SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ and connector/ (e.g. .device/snap) instead of the working tree
 cp -r "$SRC/pykv" "$SHIM/pykv"
 rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
 [ -d "$SRC/jobs" ] && rm -rf "$SHIM/pykv/jobs" && cp -r "$SRC/jobs" "$SHIM/pykv/jobs"
+[ -d "$SRC/commands" ] && rm -rf "$SHIM/pykv/commands" && cp -r "$SRC/commands" "$SHIM/pykv/commands"
 find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +
 export PYTHONPATH=$SHIM:$WORK/deps:$SITE
 
@@ -86,6 +88,7 @@ if ! (cd "$WORK" && PYTHONPATH=$REPO/benchmarks:$PYTHONPATH python3 -c \
     echo "h200_run.sh: import check failed" >&2; exit 4
 fi
 say "setup done in $(( $(date +%s) - T0 )) s; stage $STAGE, deadline in $(( T0 + BUDGET - $(date +%s) )) s"
+[ "$STAGE" = setup ] && exit 0  # install and checks only: the next command's stage gets its whole budget
 
 # 4b. optional: check and time pykv's CUDA copier outside vLLM first (benchmarks/h200_copy_check.py)
 if [ "${PYKV_COPY_CHECK:-0}" = 1 ]; then

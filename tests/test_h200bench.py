@@ -98,3 +98,171 @@ def test_compare_passes_a_calibration_against_itself_and_flags_run_6_against_run
     assert not ok
     assert any(line.startswith("disk   65,536 hit_s") and line.endswith("OUT") for line in lines)  # 2.476 -> 2.032 s
     assert all(not line.endswith("OUT") for line in lines if "recompute_s" in line)
+
+
+# -- issue 17's stages S1-S3 (benchmarks/h200bench/striping*.py, multibw.py, interfaces.py) ------------------
+def test_the_dry_run_plans_the_striped_stages_with_what_pykv_config_prints(tmp_path):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "h200_connector.py"), "stage", "S1,S2,S3", "--dry-run",
+                             "--work", str(tmp_path / "work"), "--mount-base", str(tmp_path / "mnt"),
+                             "--shm", str(tmp_path / "shm")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    configs = [json.loads(line.split("kv_transfer_config: ", 1)[1]) for line in result.stdout.splitlines()
+               if "kv_transfer_config: " in line]
+    pykv = [c["kv_connector_extra_config"] for c in configs if c["kv_connector"] == "PykvOffloadingConnector"]
+    striped = [c for c in pykv if "roots" in c]
+    assert len(striped) == 2 and all(len(c["roots"]) == 8 for c in striped)  # fill and query engine
+    assert [c["root"] for c in pykv if "root" in c] == [f"{tmp_path / 'mnt'}/pykv-h200-stripe0/pykv-stripe1"] * 4
+    for c in pykv:  # pykv's defaults, DRAM tier off
+        assert c["staging_bytes"] == "auto" and c["dram_bytes"] == 0 and c["verify"] == "full"
+    threads = [c["kv_connector_extra_config"]["secondary_tiers"][0]["n_read_threads"] for c in configs
+               if c["kv_connector"] == "OffloadingConnector"]
+    assert threads == [16, 4, 16, 64, 4]  # fill, then one query engine per setting and the first again
+    assert "calibrate 3b over 8 roots" in result.stdout
+    assert result.stdout.count(f"image {tmp_path / 'shm'}/pykv-h200-stripe7.img") == 3  # made (or reused) per stage
+
+
+def stripe_records() -> list[dict]:
+    """What S1-S3 record, with round numbers: 8 devices read 24 GB/s together, one 5 GB/s."""
+    recs = []
+    for n, gb in ((1, 5.0), (8, 24.0)):
+        recs += [{"kind": "bw", "what": "odirect_read_agg", "medium": f"stripe{n}", "devices": n, "block": b,
+                  "depth": d, "gb_per_s": gb * f} for (b, d), f in (((4 << 20, 16), 1.0), ((28 << 20, 8), 0.9))]
+
+    def engine(label, system, medium, variant, ttft, start, load=None):
+        out = [{"kind": "engine", "label": label, "system": system, "medium": medium, "variant": variant,
+                "start_s": 30, "ts": start}]
+        for i, (length, t) in enumerate(ttft.items()):
+            out.append({"kind": "ttft", "label": label, "system": system, "medium": medium, "variant": variant,
+                        "phase": "query", "length": length, "doc": 0, "ttft": t, "cached": length - 256,
+                        "expected_cached": length - 256, "ts": start + 1 + i,
+                        **({"load_gb_per_s": load[length]} if load else {})})
+        return out
+
+    recs += engine("pykv-stripe8-query", "pykv", "stripe8", "defaults", {32768: 0.24, 81920: 0.65}, 100,
+                   {32768: 21.0, 81920: 19.0})
+    recs += engine("pykv-stripe1-query", "pykv", "stripe1", "defaults", {32768: 0.90, 81920: 1.80}, 200)
+    recs += engine("pykv-stripe1-query-again", "pykv", "stripe1", "defaults", {32768: 0.70, 81920: 1.90}, 300)
+    recs += engine("native-fs-stripe1-threads4", "native_fs", "stripe1", "threads4", {32768: 1.2, 81920: 2.4}, 400)
+    recs += engine("native-fs-stripe1-threads16", "native_fs", "stripe1", "threads16", {32768: 1.0, 81920: 2.5}, 500)
+    recs.append({"kind": "calibration", "medium": "stripe8", "file": "calibration-3b-stripe8.json",
+                 "break_even": {"disk": 8000.0}, "read_gb_per_s": 22.0, "ts": 600,
+                 "gate_check": {"tolerance": 1.05, "max_ratio": 1.08, "all_ok": False, "all_right": True,
+                                "points": [{"tokens": 1024, "ratio": 1.08, "ok": False, "right": True},
+                                           {"tokens": 81920, "ratio": 1.0, "ok": True, "right": True}]}})
+    return recs
+
+
+def test_the_report_checks_issue_17s_targets_against_the_best_aggregate_and_the_best_native_setting():
+    text, md, summary = build_report(stripe_records())
+    s = summary["striping"]
+    assert s["odirect_reference"] == {1: 5.0, 8: 24.0}  # the better of 4 MiB x 16 and 28 MiB x 8
+    at80 = s["lengths"][81920]
+    assert at80["native_best"] == 2.4 and at80["pykv"][1] == 1.85  # both one-device engines pooled
+    assert at80["load_vs_odirect"][8] == 19.0 / 24.0
+    for line in ("L=32,768: load path on 8 devices 21.00 GB/s = 88% of aggregate O_DIRECT 24.00 GB/s "
+                 "(target >= 85%): PASS",
+                 "L=81,920: load path on 8 devices 19.00 GB/s = 79% of aggregate O_DIRECT 24.00 GB/s "
+                 "(target >= 85%): FAIL",
+                 "L=32,768: disk hit on 8 devices 0.240 s (target <= 0.25 s): PASS",
+                 "L=81,920: disk hit on 8 devices 0.650 s (target <= 0.6 s): FAIL",
+                 "L=32,768: native fs on one device (best, 1.000 s) / pykv on 8 devices = 4.17x (target >= 4x): PASS",
+                 "L=81,920: native fs on one device (best, 2.400 s) / pykv on 8 devices = 3.69x (target >= 4x): FAIL",
+                 "L=32,768: one device, native fs best 1.000 s / pykv defaults 0.800 s = 1.25x (target >= 1.2x): PASS",
+                 "L=81,920: one device, native fs best 2.400 s / pykv defaults 1.850 s = 1.30x (target >= 1.2x): PASS",
+                 "gated sweep: max 1.08x the better path (target <= 1.05x at every length): FAIL; outside: "
+                 "1,024 (1.08x); right path everywhere: True"):
+        assert line in text and line in md
+    assert "break-even disk 8,000 tokens" in text
+
+
+def test_the_report_without_striped_records_has_no_issue_17_section():
+    text, _, summary = build_report(load_records([str(RUN1)]))
+    assert "Issue 17" not in text and "striping" not in summary
+
+
+def direct_dirs(tmp_path, n):
+    from pykv.io.probe import direct_io_supported
+    dirs = [tmp_path / f"dev{i}" for i in range(n)]
+    for d in dirs:
+        d.mkdir()
+    if not direct_io_supported(str(dirs[0]))[0]:
+        pytest.skip("no O_DIRECT here")
+    return dirs
+
+
+def test_aggregate_reads_move_every_devices_bytes_and_report_each_device(tmp_path):
+    from h200bench.multibw import together
+    paths = [d / "f.dat" for d in direct_dirs(tmp_path, 3)]
+    size = 8 << 20
+    wrote = together(paths, "write", engine="threadpool", size=size, block=1 << 20, depth=2)
+    assert wrote["bytes"] == 3 * size and all(p.stat().st_size == size for p in paths)
+    read = together(paths, "read", engine="threadpool", size=size, block=1 << 20, depth=4)
+    assert read["bytes"] == 3 * size and len(read["per_device_gb_per_s"]) == 3
+
+
+def test_a_device_that_fails_stops_the_pass_instead_of_leaving_the_others_waiting(tmp_path):
+    from h200bench.multibw import together
+    dirs = direct_dirs(tmp_path, 2)
+    good = dirs[0] / "f.dat"
+    together([good], "write", engine="threadpool", size=4 << 20, block=1 << 20, depth=2)
+    with pytest.raises(FileNotFoundError):
+        together([good, dirs[1] / "missing.dat"], "read", engine="threadpool", size=4 << 20, block=1 << 20, depth=2)
+
+
+def test_the_calibration_over_several_roots_takes_the_run_s_roots_field():
+    from dataclasses import dataclass, field
+    from h200bench.interfaces import calibration_over
+
+    @dataclass
+    class WithRoots:
+        model: str
+        roots: list = field(default_factory=list)
+        root: Path | None = None
+
+    @dataclass
+    class RootRequired:
+        model: str
+        root: Path
+        roots: list = field(default_factory=list)
+
+    @dataclass
+    class OneRoot:
+        model: str
+        root: Path
+
+        def __post_init__(self):
+            self.root = Path(self.root)
+
+    roots = [Path("/a"), Path("/b")]
+    assert calibration_over(WithRoots, roots, model="m") == WithRoots("m", roots, None)
+    assert calibration_over(RootRequired, roots, model="m") == RootRequired("m", Path("/a"), roots)
+    with pytest.raises(RuntimeError, match="one root only"):
+        calibration_over(OneRoot, roots, model="m")
+
+
+class ConfigRunner:
+    """What ``interfaces.pykv_config`` uses of the stage runner."""
+
+    def __init__(self, tmp_path):
+        import argparse
+        self.a, self.dry, self.stage, self.work = argparse.Namespace(pykv_set=None), False, "S1", tmp_path
+        self.records = []
+
+    def record(self, rec):
+        self.records.append(rec)
+
+
+@pytest.mark.parametrize("printed_roots, source", [(["/d0/t", "/d1/t"], "command"), (["/d1/t"], "library")])
+def test_the_striped_config_is_what_pykv_config_prints_unless_it_names_other_roots(tmp_path, monkeypatch,
+                                                                                  printed_roots, source):
+    from h200bench import interfaces
+    roots = ["/d0/t", "/d1/t"]
+    printed = interfaces.library_ktc(printed_roots, [])
+    monkeypatch.setattr(interfaces, "command_ktc", lambda runner, r, items, dram_zero=False: (printed, ""))
+    runner = ConfigRunner(tmp_path)
+    ktc = interfaces.pykv_config(runner, roots, medium="stripe2")
+    assert interfaces.config_roots(ktc) == roots
+    assert ktc["kv_connector_extra_config"]["dram_bytes"] == 0
+    (rec,) = runner.records
+    assert rec["source"] == source and rec["ktc"] == ktc
+    assert ("command_error" in rec) == (source == "library")

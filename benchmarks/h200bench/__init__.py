@@ -4,7 +4,9 @@
 documents, host probes), ``stats`` (the engines' counter files), ``engine`` (one vLLM
 engine process), ``probes`` (O_DIRECT and H2D bandwidth), ``loop`` (loop devices and
 /dev/shm), ``runner`` (spawning engines with their settings), ``stages`` (stages A-M),
-``calibrate_stage`` (stage K), ``report``, ``compare`` (two calibration files),
+``calibrate_stage`` (stage K), ``striping`` and ``striping_report`` (stages S1-S3), ``multibw``
+(O_DIRECT of several devices at once), ``interfaces`` (pykv's commands S1-S3 measure), ``report``,
+``compare`` (two calibration files),
 ``cli``; the ``preload_*`` modules hold ``h200_preload.py``'s stages. The entry points stay ``benchmarks/h200_connector.py``
 and ``benchmarks/h200_preload.py`` (method and stages: benchmarks/README.md).
 

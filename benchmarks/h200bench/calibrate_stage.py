@@ -41,9 +41,18 @@ def shape_model(runner, shape: str) -> str:
     return model
 
 
+def engine_args(runner) -> dict:
+    """The ``vllm.LLM`` arguments of the calibration engines (the benchmark's engine settings)."""
+    args = {"load_format": "dummy", "max_num_batched_tokens": 8192, "gpu_memory_utilization": runner.a.gpu_mem}
+    if runner.smoke:
+        args.update(block_size=32, gpu_memory_utilization=0.3)
+    return args
+
+
 def run(runner) -> None:
+    """Stage K: one model shape on the loop device or the virtio disk, with the benchmark's pykv options."""
     a = runner.a
-    CalibrationRun, run_calibration = calibrate_job()
+    CalibrationRun, _ = calibrate_job()
     shape, medium = a.cal_shape, a.cal_medium
     model = shape_model(runner, shape)
     lengths = [int(x) for x in a.cal_lengths.split(",")]
@@ -53,18 +62,25 @@ def run(runner) -> None:
         base = runner.loop_setup("cal", math.ceil(need * 1.15 / GIB) * GIB)
     else:
         base = os.path.join(runner.disk_dir, "cal")
-    settings = runner.pykv_settings()
-    engine_args = {"load_format": "dummy", "max_num_batched_tokens": 8192, "gpu_memory_utilization": a.gpu_mem}
-    if runner.smoke:
-        engine_args.update(block_size=32, gpu_memory_utilization=0.3)
     calibration_run = CalibrationRun(
         model=model, root=Path(base), lengths=lengths, tiers=a.cal_tiers.split(","), repeat=a.cal_repeat,
-        block_tokens=CHUNK, settings=settings, engine_args=engine_args,
+        block_tokens=CHUNK, settings=runner.pykv_settings(), engine_args=engine_args(runner),
         bandwidth_bytes=(64 << 20) if runner.smoke else 2 * GIB, check_gate=not a.no_cal_gate,
         dram_bytes=(64 << 20) if runner.smoke else None)
+    try:
+        calibrate_and_record(runner, calibration_run, shape=shape, medium=medium, where=base)
+    finally:
+        if medium == "loop" and not runner.dry:
+            runner.loops.teardown_all()
+
+
+def calibrate_and_record(runner, calibration_run, *, shape: str, medium: str, where: str) -> None:
+    """Run the calibration, write ``calibration-SHAPE-MEDIUM.json`` to WORK and ``--out``, record its
+    break-even lengths, the medium's read bandwidth and the gated sweep."""
+    _, run_calibration = calibrate_job()
     if runner.dry:
-        print(f"  calibrate {shape} on {medium} ({base}): lengths {lengths}, tiers {calibration_run.tiers}, "
-              f"repeat {calibration_run.repeat}, settings {settings}")
+        print(f"  calibrate {shape} on {medium} ({where}): lengths {calibration_run.lengths}, tiers "
+              f"{calibration_run.tiers}, repeat {calibration_run.repeat}, settings {calibration_run.settings}")
         return
     os.chdir(runner.work)  # its engines run `python -m pykv...calibrate`: not the repo's pykv/ from cwd
     try:
@@ -74,14 +90,11 @@ def run(runner) -> None:
         for engine_log in Path(tempfile.gettempdir()).glob("pykv-calibrate-*/*.log"):  # kept on errors
             shutil.copyfile(engine_log, runner.work / "logs" / f"calibrate-{engine_log.name}")
         raise
-    finally:
-        if medium == "loop":
-            runner.loops.teardown_all()
     name = f"calibration-{shape}-{medium}.json"
     for directory in (runner.work, runner.out):
         if directory:
             calibration.save(Path(directory) / name)
     runner.record({"kind": "calibration", "stage": runner.stage, "shape": shape, "medium": medium, "file": name,
                    "break_even": {t: c["break_even_tokens"] for t, c in calibration.to_json()["tiers"].items()},
-                   "read_gb_per_s": calibration.medium.get("read_gb_per_s"),
+                   "read_gb_per_s": calibration.medium.get("read_gb_per_s"), "medium_info": calibration.medium,
                    "gate_check": calibration.details.get("gate_check")})

@@ -11,8 +11,9 @@ from h200bench.compare import main as compare_main
 from h200bench.engine import engine_main
 from h200bench.probes import bw_main
 from h200bench.report import report_main
+from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, SHM_DIR, STAGES,
-                                WORK_DIR)
+                                STRIPE_STAGES, WORK_DIR)
 from h200bench.stages import StageRunner
 from h200bench.util import tree_bytes
 
@@ -21,9 +22,9 @@ def parse_stages(text: str) -> list[str]:
     if text.lower() == "all":
         return list(STAGES)
     stages = [s.strip().upper() for s in text.split(",") if s.strip()]
-    bad = [s for s in stages if s not in STAGES]
+    bad = [s for s in stages if s not in STAGES + STRIPE_STAGES]
     if bad:
-        raise SystemExit(f"unknown stage(s) {bad}; choose from {', '.join(STAGES)} or all")
+        raise SystemExit(f"unknown stage(s) {bad}; choose from {', '.join(STAGES + STRIPE_STAGES)} or all")
     return stages
 
 
@@ -92,12 +93,23 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cal-tiers", default="disk,dram", help="stage K: tiers")
     p.add_argument("--cal-repeat", type=int, default=2, help="stage K: runs per length and path")
     p.add_argument("--no-cal-gate", action="store_true", help="stage K: skip the gated sweep")
+    p.add_argument("--stripe-devices", type=int, default=8, help="stages S1-S3: loop devices in the set")
+    p.add_argument("--stripe-image-gib", type=float,
+                   help="stages S1-S3: each device's sparse image, GiB (default: the documents' tree and 15 %%)")
+    p.add_argument("--stripe-queries", type=int, default=2,
+                   help="stage S1: disk-hit queries per document in each pykv query engine (DRAM tier 0)")
+    p.add_argument("--stripe-cleanup", action="store_true",
+                   help="stages S1-S3: tear the devices down at the end (default: kept for the next command)")
+    p.add_argument("--fs-threads", default="4,16,64",
+                   help="stage S2: native fs tier read/write thread settings, one query engine each")
+    p.add_argument("--mbw-gib", type=float, default=2, help="stage S1: O_DIRECT probe file per device, GiB")
+    p.add_argument("--mbw-repeat", type=int, default=2, help="stage S1: passes per O_DIRECT configuration")
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("stage", help="run stages: A, B, C, D, all or a comma list")
+    p = sub.add_parser("stage", help="run stages: A, B, C, D, L, K, M, S1, S2, S3, all (A-M) or a comma list")
     p.add_argument("stages")
     p.add_argument("--dry-run", action="store_true", help="print the engines and their configs; run nothing")
     add_run_options(p)
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                         "and O_DIRECT reads of 4 and 1 MiB at depth 16/64")
     p.add_argument("--h2d-bytes", type=int, default=GIB)
     p.add_argument("--reps", type=int, default=5)
+    add_mbw_parser(sub)
     a = ap.parse_args(argv)
     if a.cmd == "stage":
         return stage_main(a)
@@ -144,4 +157,6 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         return engine_main(a.config)
     if a.cmd == "bw":
         return bw_main(a)
+    if a.cmd == "mbw":
+        return mbw_main(a)
     return 2

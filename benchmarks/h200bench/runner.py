@@ -116,13 +116,15 @@ class Runner:
         ktc["kv_load_failure_policy"] = "recompute"  # to_kv_transfer_config sets it; kept explicit
         return ktc
 
-    def native_ktc(self, fs_root: str | None = None) -> dict:
+    def native_ktc(self, fs_root: str | None = None, threads: int = 16) -> dict:
+        """vLLM's native CPU tier, or with ``fs_root`` its fs tier under a CPU tier (``threads`` read and
+        write threads)."""
         gib = self.fs_cpu_gib() if fs_root else self.a.cpu_gib
         extra = {"cpu_bytes_to_use": int(gib * GIB), "block_size": CHUNK}
         if fs_root:
             extra.update(spec_name="TieringOffloadingSpec",
                          secondary_tiers=[{"type": "fs", "root_dir": fs_root,
-                                           "n_read_threads": 16, "n_write_threads": 16}])
+                                           "n_read_threads": threads, "n_write_threads": threads}])
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
     def fs_cpu_gib(self) -> float:

@@ -67,6 +67,15 @@ ANCHORS = {
     "native_fs/loop": {8192: 0.29, 32768: 1.12, 81920: 2.73},
 }
 TARGETS = {"load_vs_odirect": 0.90, "dram_vs_native_cpu": 1.05, "fs_vs_pykv_loop": 1.5}
+# Issue 17 (stages S1-S3): striping over 8 loop devices.
+STRIPE_TARGETS = {
+    "load_vs_aggregate_odirect": 0.85,  # pykv's load bandwidth / aggregate O_DIRECT reads of the set
+    "ttft_max_s": {32768: 0.25, 81920: 0.6},  # disk hit on the set
+    "vs_native_one_device": 4.0,  # native fs (one device) TTFT / pykv on the set
+    "one_device_vs_native_best": 1.2,  # native fs at its best / pykv on one device, at 32k and 80k
+    "one_device_lengths": (32768, 81920),
+    "gate_tolerance": 1.05,
+}
 
 ENGINE_ENV = {
     "PYTHONHASHSEED": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
@@ -75,6 +84,10 @@ ENGINE_ENV = {
 
 # -- stages -----------------------------------------------------------------------------------------------
 STAGES = ("A", "B", "C", "D", "L", "K", "M")
+"""What ``all`` runs."""
+STRIPE_STAGES = ("S1", "S2", "S3")
+"""Issue 17's stages (``striping``): named on their own, not part of ``all``."""
 # Seconds the required (non-optional) part of each stage takes on the H200 host, roughly: an
 # optional engine runs only when this much is left for the stages after it.
-STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400, "M": 180}
+STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400, "M": 180,
+                    "S1": 420, "S2": 300, "S3": 420}

@@ -8,6 +8,7 @@ D: vLLM's native fs tier (TieringOffloadingSpec) on a loop device: fill, page ca
 M: DRAM hits side by side: native CPU tier, then pykv with a DRAM tier (one engine: fill, then
    two DRAM-served queries per document).
 L: loop device bandwidth sweep: request sizes, depths, split reactor reads.
+S1, S2, S3: several loop devices as one pykv cache (``striping``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from h200bench import calibrate_stage
+from h200bench import calibrate_stage, striping
 from h200bench.loop import image_bytes
 from h200bench.runner import Runner
 from h200bench.settings import CHUNK, GIB, WARMUP_TOKENS
@@ -160,3 +161,12 @@ class StageRunner(Runner):
 
     def stage_K(self) -> None:
         calibrate_stage.run(self)
+
+    def stage_S1(self) -> None:
+        striping.stage_s1(self)
+
+    def stage_S2(self) -> None:
+        striping.stage_s2(self)
+
+    def stage_S3(self) -> None:
+        striping.stage_s3(self)

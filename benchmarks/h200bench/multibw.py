@@ -1,0 +1,145 @@
+"""Aggregate O_DIRECT read bandwidth of several devices at once (``h200_connector.py mbw``).
+
+One file per device directory, written first; then read passes in which every device is read at
+the same time, each by its own thread with its own pykv I/O backend (``pykv.io``: io_uring or the
+thread pool), staging slots and ``depth`` requests in flight (fio's ``--direct=1 --iodepth``
+per device, one job per device). A pass starts for all devices together (a barrier) and its
+aggregate is the bytes of all devices over the time until the last device finished; each
+device's own rate is kept beside it. One ``bw`` record per pass, ``what`` =
+``odirect_read_agg`` (``medium`` = ``stripe{N}`` for N devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+from h200bench.util import emit, log
+
+AGG_WHAT = "odirect_read_agg"
+DEFAULT_CONFIGS = ((4 << 20, 16), (28 << 20, 8))
+"""(request bytes, depth per device) of the read passes: the shape the device README measured."""
+
+
+def transfer(engine: str, path: Path, kind: str, *, size: int, block: int, depth: int,
+             start: threading.Barrier | None = None) -> tuple[float, float]:
+    """Read or write ``size`` bytes of ``path`` sequentially in ``block`` requests, ``depth`` in flight;
+    (start, end) ``perf_counter`` times. Backend, slots and file are set up before the clock starts
+    (and before ``start``, a barrier the devices of one pass wait at)."""
+    from pykv.io.backend import IoRequest, OpKind
+    from pykv.io.probe import open_backend
+    from pykv.staging import StagingPool
+
+    op = OpKind.READ if kind == "read" else OpKind.WRITE
+    flags = os.O_DIRECT | os.O_CLOEXEC | (os.O_RDONLY if kind == "read" else os.O_RDWR | os.O_CREAT)
+    pool, backend, fd = StagingPool(block, depth), None, -1
+    try:
+        backend = open_backend(engine, depth=depth + 2)
+        fd = os.open(path, flags, 0o600)
+        blocks, next_block, free = size // block, 0, list(range(depth))
+        if start is not None:
+            start.wait()
+        started = time.perf_counter()
+        while next_block < blocks or len(free) < depth:
+            batch = []
+            while free and next_block < blocks:
+                slot = free.pop()
+                batch.append(IoRequest(op, (slot, next_block), fd=fd, address=pool.address(slot), length=block,
+                                       offset=next_block * block))
+                next_block += 1
+            if batch:
+                backend.submit(batch)
+            for completion in backend.wait(1):
+                slot, index = completion.token
+                if completion.result != block:
+                    raise OSError(f"{kind} of block {index} of {path} returned {completion.result}")
+                free.append(slot)
+        if kind == "write":
+            os.fsync(fd)
+        return started, time.perf_counter()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if backend is not None:
+            backend.close()
+        pool.close()
+
+
+def together(paths: list[Path], kind: str, *, engine: str, size: int, block: int, depth: int) -> dict:
+    """One pass over every path at once (all start together); aggregate and per-device GB/s."""
+    barrier = threading.Barrier(len(paths))
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(paths)
+    errors: list[BaseException] = []
+
+    def one(i: int, path: Path) -> None:
+        try:
+            spans[i] = transfer(engine, path, kind, size=size, block=block, depth=depth, start=barrier)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+            barrier.abort()  # the others do not wait for this one
+
+    threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, p in enumerate(paths)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    wall = max(end for _, end in spans) - min(start for start, _ in spans)
+    total = size * len(paths)
+    return {"bytes": total, "seconds": round(wall, 4), "gb_per_s": round(total / wall / 1e9, 3),
+            "per_device_gb_per_s": [round(size / (end - start) / 1e9, 3) for start, end in spans]}
+
+
+def mbw_main(a: argparse.Namespace) -> int:
+    """``h200_connector.py mbw``: write one file per directory, then the read passes of every
+    device count in ``--counts`` (the first N directories) and every (request, depth) config."""
+    from pykv.bench import drop_page_cache
+
+    dirs = [Path(d) for d in a.dirs.split(",") if d]
+    configs = [tuple(int(x) for x in c.split(":")) for c in a.configs.split(",")] if a.configs else DEFAULT_CONFIGS
+    unit = math.lcm(4 << 20, *(block for block, _ in configs))  # the write's request and every read's
+    size = a.size - a.size % unit
+    paths = [d / f"pykv-h200-mbw-{os.getpid()}.dat" for d in dirs]
+    engines = a.engines.split(",")
+    try:
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        wrote = together(paths, "write", engine="threadpool", size=size, block=4 << 20, depth=16)
+        emit(a.results, {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "what": "odirect_write_agg",
+                         "devices": len(dirs), "engine": "pykv threadpool", "block": 4 << 20, "depth": 16, **wrote})
+        for path in paths:
+            drop_page_cache(path)
+        for rep in range(a.repeat):
+            for count in [int(c) for c in a.counts.split(",")]:
+                for block, depth in configs:
+                    for engine in engines:
+                        tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{count}", "what": AGG_WHAT,
+                                "devices": count, "engine": f"pykv {engine}", "block": block, "depth": depth,
+                                "rep": rep}
+                        try:
+                            emit(a.results, {**tags, **together(paths[:count], "read", engine=engine, size=size,
+                                                                block=block, depth=depth)})
+                        except Exception as exc:  # noqa: BLE001 - io_uring may be refused
+                            log(f"mbw {count} devices {engine}: {exc!r}")
+                            emit(a.results, {**tags, "error": repr(exc)})
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    return 0
+
+
+def add_mbw_parser(sub) -> None:
+    p = sub.add_parser("mbw", help="(internal) aggregate O_DIRECT reads of several devices at once")
+    p.add_argument("--results", required=True)
+    p.add_argument("--stage", default="-")
+    p.add_argument("--dirs", required=True, help="comma-separated directories, one per device")
+    p.add_argument("--counts", default="1", help="device counts to read at once (the first N directories)")
+    p.add_argument("--configs", help="REQUEST_BYTES:DEPTH,... (default 4 MiB:16, 28 MiB:8)")
+    p.add_argument("--engines", default="io_uring,threadpool")
+    p.add_argument("--size", type=int, default=2 << 30, help="bytes of each device's file")
+    p.add_argument("--repeat", type=int, default=2)

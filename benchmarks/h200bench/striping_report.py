@@ -1,0 +1,195 @@
+"""The report of stages S1-S3 (issue 17): aggregate O_DIRECT reads, TTFT of pykv over N devices and
+over one, vLLM's native fs tier on one device per thread setting, the calibration of the set, and
+the issue's targets, PASS or FAIL.
+
+``report.build_report`` appends this section when the records hold any ``stripe*`` medium.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from h200bench.multibw import AGG_WHAT
+from h200bench.settings import STRIPE_TARGETS
+from h200bench.stats import load_gb_per_s
+
+
+@dataclass
+class Section:
+    text: list[str] = field(default_factory=list)
+    md: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def table(self, title: str, head: list[str], rows: list[list[str]]) -> None:
+        widths = [max(len(h), *(len(r[j]) for r in rows)) if rows else len(h) for j, h in enumerate(head)]
+        self.text.append(f"-- {title} --")
+        self.text.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+        self.text.extend("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+        self.md += [f"#### {title}\n", "| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+        self.md += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+        self.text.append("")
+
+    def lines(self, title: str, lines: list[str]) -> None:
+        if lines:
+            self.text += [title] + [f"  {line}" for line in lines] + [""]
+            self.md += [f"{title}\n"] + [f"- {line}" for line in lines] + [""]
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def stripe_counts(records: list[dict]) -> list[int]:
+    return sorted({int(r["medium"][len("stripe"):]) for r in records
+                   if str(r.get("medium") or "").startswith("stripe") and r["medium"][len("stripe"):].isdigit()})
+
+
+def aggregate_odirect(records: list[dict], count: int) -> dict[tuple[int, int], float]:
+    """Best aggregate O_DIRECT read GB/s of ``count`` devices per (request bytes, depth per device)."""
+    best: dict[tuple[int, int], float] = {}
+    for r in records:
+        if r.get("what") == AGG_WHAT and r.get("devices") == count and r.get("gb_per_s"):
+            key = (r["block"], r["depth"])
+            best[key] = max(best.get(key, 0.0), r["gb_per_s"])
+    return best
+
+
+def build(records: list[dict]) -> Section | None:
+    from h200bench.report import fmt, latest_run, median  # the report's helpers (it imports this module)
+
+    counts = stripe_counts(records)
+    if not counts:
+        return None
+    many = max(counts)
+    s = Section()
+    s.text.append(f"== Issue 17: {many} loop devices in /dev/shm as one pykv cache (stages S1-S3) ==")
+    s.md.append(f"### Issue 17: {many} loop devices in /dev/shm as one pykv cache (stages S1-S3)\n")
+    ttft = [r for r in records if r.get("kind") == "ttft" and r.get("phase") == "query"]
+    lengths = sorted({r["length"] for r in ttft if str(r.get("medium", "")).startswith("stripe")})
+
+    # O_DIRECT, aggregate
+    odirect = {n: aggregate_odirect(records, n) for n in counts}
+    configs = sorted({k for best in odirect.values() for k in best})
+    reference = {n: max(best.values()) if best else None for n, best in odirect.items()}
+    s.table("O_DIRECT reads of N devices at once, GB/s (best pass)",
+            ["devices"] + [f"{b >> 20} MiB x {d}/device" for b, d in configs] + ["reference"],
+            [[str(n)] + [fmt(odirect[n].get(c), ".2f") for c in configs] + [fmt(reference[n], ".2f")] for n in counts])
+    for r in records:
+        if r.get("kind") == "pykv_bench":
+            s.lines("pykv bench (the command):", [f"{r.get('medium')}: " + (
+                f"error: {r['error']}" if "error" in r else best_bench_line(r.get("data") or {}))
+                + (f" ({r['note']})" if r.get("note") else "")])
+
+    # TTFT
+    def ttft_rows(**match) -> list[dict]:
+        return [r for r in latest_run(ttft, **match)]
+
+    def pooled(rows: list[dict], **match) -> list[dict]:
+        """The latest run of every engine label matching (a measurement repeated under another label)."""
+        labels = sorted({r["label"] for r in rows if all(r.get(k) == v for k, v in match.items())})
+        return [r for label in labels for r in latest_run(rows, label=label, **match)]
+
+    pykv_rows = {n: pooled(ttft, system="pykv", medium=f"stripe{n}") for n in counts}
+    native_rows = [r for r in ttft if r.get("system") == "native_fs" and r.get("medium") == "stripe1"]
+    variants = sorted({r["variant"] for r in native_rows}, key=lambda v: (v.endswith("again"), len(v), v))
+    native = {v: ttft_rows(system="native_fs", medium="stripe1", variant=v) for v in variants}
+    head = ["length"] + [f"pykv {n} dev" for n in counts] + [f"native {v}" for v in variants] + ["native best"]
+    head += [f"load GB/s {n} dev" for n in counts] + [f"load/O_DIRECT {n} dev" for n in counts]
+    rows, summary = [], {}
+    for length in lengths:
+        at = {n: [r for r in pykv_rows[n] if r["length"] == length] for n in counts}
+        hit = {n: median([r["ttft"] for r in at[n]]) for n in counts}
+        load = {n: median([load_gb_per_s(r) for r in at[n]]) for n in counts}
+        ratio = {n: load[n] / reference[n] if load[n] and reference[n] else None for n in counts}
+        fs = {v: median([r["ttft"] for r in native[v] if r["length"] == length]) for v in variants}
+        fs_best = min((t for t in fs.values() if t), default=None)
+        rows.append([f"{length:,}"] + [fmt(hit[n]) for n in counts] + [fmt(fs[v]) for v in variants] + [fmt(fs_best)]
+                    + [fmt(load[n], ".2f") for n in counts] + [fmt(ratio[n], ".0%") if ratio[n] else "—" for n in counts])
+        summary[length] = {"pykv": hit, "load_gb_per_s": load, "load_vs_odirect": ratio, "native": fs,
+                           "native_best": fs_best}
+        for n in counts:
+            for r in at[n]:
+                if r.get("cached") is not None and r["cached"] < r.get("expected_cached", 0):
+                    s.warnings.append(f"stripe{n} L={length} doc {r['doc']}: disk query cached {r['cached']} of "
+                                      f"{r['expected_cached']} tokens (partial hit)")
+                if r.get("load_blocks_dram"):
+                    s.warnings.append(f"stripe{n} L={length}: 'disk hit' served {r['load_blocks_dram']} blocks from DRAM")
+    s.table("disk-hit TTFT in seconds (fresh engine, page cache dropped, DRAM tier 0; medians)", head, rows)
+    s.summary = {"odirect_reference": reference, "lengths": summary}
+    s.lines("targets:", target_lines(summary, reference, many))
+
+    # placement, configuration, calibration
+    notes = []
+    for n in counts:
+        for label in sorted({r["label"] for r in pykv_rows[n]}):
+            per = [f"{length:,} {fmt(median([r['ttft'] for r in pykv_rows[n] if r['label'] == label and r['length'] == length]))} s"
+                   for length in lengths]
+            notes.append(f"{label}: " + ", ".join(per))
+    for r in records:
+        if r.get("kind") == "tree" and r.get("files_per_device"):
+            notes.append(f"{r['medium']}: block files per device {r['files_per_device']}")
+        if r.get("kind") == "pykv_config":
+            notes.append(f"{r['medium']}: configuration from `pykv config` ({r['source']}"
+                         + (f"; command: {r['command_error']}" if r.get("command_error") else "")
+                         + (", differs from the library's" if r.get("same_as_library") is False else "") + ")")
+    s.lines("notes:", notes)
+    s.lines("calibration of the set (pykv calibrate):", calibration_lines(records))
+    return s
+
+
+def best_bench_line(data: dict) -> str:
+    reads = [r for r in data.get("results", []) if r.get("op") == "read" and r.get("gb_per_s")]
+    if not reads:
+        return "no read results"
+    best = max(reads, key=lambda r: r["gb_per_s"])
+    return f"best read {best['gb_per_s']:.2f} GB/s ({best.get('engine', '?')}, depth {best.get('depth', '?')})"
+
+
+def target_lines(summary: dict, reference: dict, many: int) -> list[str]:
+    t = STRIPE_TARGETS
+    lines = []
+    for length, s in summary.items():
+        ratio, load = s["load_vs_odirect"].get(many), s["load_gb_per_s"].get(many)
+        if ratio is not None:
+            lines.append(f"L={length:,}: load path on {many} devices {load:.2f} GB/s = {ratio:.0%} of aggregate O_DIRECT "
+                         f"{reference[many]:.2f} GB/s (target >= {t['load_vs_aggregate_odirect']:.0%}): "
+                         f"{verdict(ratio >= t['load_vs_aggregate_odirect'])}")
+        hit = s["pykv"].get(many)
+        if hit is not None and length in t["ttft_max_s"]:
+            lines.append(f"L={length:,}: disk hit on {many} devices {hit:.3f} s (target <= {t['ttft_max_s'][length]} s): "
+                         f"{verdict(hit <= t['ttft_max_s'][length])}")
+        if hit and s["native_best"] and length in t["ttft_max_s"]:
+            x = s["native_best"] / hit
+            lines.append(f"L={length:,}: native fs on one device (best, {s['native_best']:.3f} s) / pykv on {many} "
+                         f"devices = {x:.2f}x (target >= {t['vs_native_one_device']:g}x): "
+                         f"{verdict(x >= t['vs_native_one_device'])}")
+        one = s["pykv"].get(1)
+        if one and s["native_best"] and length in t["one_device_lengths"]:
+            x = s["native_best"] / one
+            lines.append(f"L={length:,}: one device, native fs best {s['native_best']:.3f} s / pykv defaults "
+                         f"{one:.3f} s = {x:.2f}x (target >= {t['one_device_vs_native_best']:g}x): "
+                         f"{verdict(x >= t['one_device_vs_native_best'])}")
+    return lines
+
+
+def calibration_lines(records: list[dict]) -> list[str]:
+    lines = []
+    for r in records:
+        if r.get("kind") != "calibration" or not str(r.get("medium", "")).startswith("stripe"):
+            continue
+        be = ", ".join(f"{tier} {'never' if v is None else f'{v:,.0f} tokens'}"
+                       for tier, v in (r.get("break_even") or {}).items())
+        bw = r.get("read_gb_per_s")
+        lines.append(f"{r['medium']} ({r['file']}): break-even {be}; medium read "
+                     f"{'—' if bw is None else f'{bw:.2f}'} GB/s")
+        gate = r.get("gate_check")
+        if gate:
+            off = [f"{p['tokens']:,} ({p['ratio']:.2f}x)" for p in gate["points"] if not p["ok"]]
+            lines.append(f"gated sweep: max {gate['max_ratio']:.2f}x the better path (target <= "
+                         f"{STRIPE_TARGETS['gate_tolerance']:.2f}x at every length): {verdict(gate['all_ok'])}"
+                         + (f"; outside: {', '.join(off)}" if off else "") + f"; right path everywhere: "
+                         f"{gate.get('all_right')}")
+        elif gate is None:
+            lines.append("gated sweep: not run")
+    return lines
