@@ -95,7 +95,25 @@ def test_a_block_written_on_one_client_checks_on_the_others(volume):
         checked = check_block(tree.block_path(NS.id, key))
         assert checked.header.key == key and checked.header.geometry == geometry
         assert read_payload(tree.block_path(NS.id, key))[1] == payload
+        assert os.stat(tree.block_path(NS.id, key)).st_nlink == 1  # gc deletes only files with one link
     assert not write_block(trees[1], NS.id, key, geometry, payload)  # already there: the second writer loses
+
+
+def test_an_atime_stamped_on_one_client_reaches_the_others(volume):
+    trees = new_tree(volume, "stamped")
+    key = key_of("stamped")
+    assert write_block(trees[0], NS.id, key, *block_of(key))
+    path_b = trees[1].block_path(NS.id, key)
+    published = os.stat(path_b)
+    old = published.st_mtime_ns - 3 * 86400 * 10**9
+    os.utime(path_b, ns=(old, published.st_mtime_ns))  # as gc's order sees a block not hit for 3 days
+    read_payload(trees[2].block_path(NS.id, key))  # a read alone (noatime) changes nothing
+    assert trees[2].touch(trees[2].block_path(NS.id, key))  # a hit on client 2
+    deadline = time.monotonic() + 5
+    while os.stat(trees[0].block_path(NS.id, key)).st_atime_ns <= old and time.monotonic() < deadline:
+        time.sleep(0.1)  # client 0's attribute cache (1 s)
+    seen = os.stat(trees[0].block_path(NS.id, key))
+    assert seen.st_atime_ns > old + 86400 * 10**9 and seen.st_mtime_ns == published.st_mtime_ns
 
 
 # -- racing publishers ---------------------------------------------------------------------------
