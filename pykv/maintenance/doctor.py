@@ -37,7 +37,7 @@ from pykv.io.probe import direct_io_supported
 from pykv.io.safe_paths import read_small
 from pykv.io.uring import UringBackend, uring_available
 from pykv.media.posix import READ_FLAGS, WRITE_FLAGS
-from pykv.tree import MARKER_NAME, PROBE_NAME, ROOT_EXEMPT, STATE_DIR, KVTree, is_temp_of, temp_name
+from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, foreign_entries, temp_name
 
 SEED_ENV = "PYTHONHASHSEED"
 CLOCK_SKEW_WARN_S = 30.0  # beyond this, --min-age and gc's recency are measured against a clock that is off
@@ -133,8 +133,7 @@ def _check_tree(root: Path) -> Diagnosis:
     if not root.is_dir():
         raise NotATreeError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
     if not os.path.lexists(root / MARKER_NAME):
-        occupied = sorted(e.name for e in os.scandir(root) if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
-                          and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
+        occupied = foreign_entries(root)
         if occupied:
             raise ProbeRefused(f"{root} is not a pykv tree and not empty ({len(occupied)} entries, e.g. "
                                f"{occupied[0]!r}): doctor probes only a tree or an empty directory; give a new "
