@@ -159,6 +159,24 @@ def test_an_atime_that_does_not_stick_warns(tmp_path, monkeypatch):
     assert atime.verdict is Verdict.WARN and "did not stick" in atime.detail
 
 
+def test_a_read_only_mount_skips_every_probe_that_writes(tmp_path, monkeypatch):
+    tree = make_tree(tmp_path)
+    before = listing(tree.root)
+    real_statvfs = os.statvfs
+
+    def read_only(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files,
+                                  st.f_ffree, st.f_favail, st.f_flag | os.ST_RDONLY, st.f_namemax))
+
+    monkeypatch.setattr(os, "statvfs", read_only)
+    report = diagnose(tree.root, environ=SEEDED)
+    writing = ["publish", "rename", "dir_fsync", "atime", "clock", "o_direct", "io_uring"]
+    assert [d.item for d in report.diagnoses if d.verdict is Verdict.SKIP] == [*writing, "other_clients"]
+    assert report.of("mount").verdict is Verdict.WARN and "store=false" in report.of("mount").detail
+    assert not report.failed and listing(tree.root) == before
+
+
 @pytest.fixture
 def shm_dir():
     if not os.path.isdir("/dev/shm") or mount_of("/dev/shm") is None or mount_of("/dev/shm").fstype != "tmpfs":

@@ -107,18 +107,13 @@ def diagnose(root: Path | str, *, environ: Mapping[str, str] | None = None) -> D
     tree_check = _check_tree(root)
     mount = mount_of(root)
     read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
-    diagnoses = [tree_check, _check_mount(root, mount, read_only), _check_space(root)]
-    writes: list[tuple[str, Callable[[_ProbeDir], Diagnosis]]] = [
-        ("publish", _check_publish), ("rename", _check_rename), ("dir_fsync", _check_dir_fsync),
-        ("atime", _check_atime), ("clock", _check_clock)]
-    direct: Diagnosis | None = None
+    diagnoses = [tree_check, _check_mount(mount, read_only), _check_space(root)]
     with _ProbeDir(root) as probe:
-        for item, check in writes:
-            diagnoses.append(_skip(item, "read-only mount") if read_only else _guarded(item, check, probe))
         if read_only:
-            direct = _skip("o_direct", "read-only mount: the probe writes a file")
-            diagnoses += [direct, _skip("io_uring", "read-only mount: the probe writes a file")]
+            diagnoses += [_skip(item, "read-only mount: the probe writes files") for item, _ in _WRITE_CHECKS]
+            diagnoses += [_skip(item, "read-only mount: the probe writes files") for item in ("o_direct", "io_uring")]
         else:
+            diagnoses += [_guarded(item, check, probe) for item, check in _WRITE_CHECKS]
             direct = _guarded("o_direct", lambda _: _check_direct(root), probe)
             diagnoses += [direct, _guarded("io_uring", lambda p: _check_uring(p, direct.verdict is Verdict.OK), probe)]
     diagnoses.append(_check_seed(environ))
@@ -149,7 +144,7 @@ def _check_tree(root: Path) -> Diagnosis:
     return Diagnosis("tree", Verdict.OK, f"pykv tree {tree.identity}, format version {FORMAT_VERSION}{made}")
 
 
-def _check_mount(root: Path, mount: Mount | None, read_only: bool) -> Diagnosis:
+def _check_mount(mount: Mount | None, read_only: bool) -> Diagnosis:
     if mount is None:
         return Diagnosis("mount", Verdict.SKIP, "/proc/self/mountinfo unreadable: file system unknown")
     where = f"{mount.fstype} {mount.source} at {mount.mount_point} ({','.join(mount.options)})"
@@ -376,6 +371,11 @@ def _exists(probe: _ProbeDir, name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+_WRITE_CHECKS: tuple[tuple[str, Callable[[_ProbeDir], Diagnosis]], ...] = (
+    ("publish", _check_publish), ("rename", _check_rename), ("dir_fsync", _check_dir_fsync),
+    ("atime", _check_atime), ("clock", _check_clock))
 
 
 # -- the environment -------------------------------------------------------------------------
