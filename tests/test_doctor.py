@@ -234,3 +234,15 @@ def test_clock_agrees_on_a_local_disk_and_a_skew_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: real_time() + 120)  # this host's clock two minutes ahead
     clock = diagnose(tree.root, environ=SEEDED).of("clock")
     assert clock.verdict is Verdict.WARN and "-120 s off" in clock.detail
+
+
+def test_nfs_without_close_to_open_consistency_warns(tmp_path, monkeypatch):
+    from pykv.maintenance import doctor
+    tree = make_tree(tmp_path)
+    nfs, juicefs = parse_mountinfo(MOUNTINFO)[1:]
+    monkeypatch.setattr(doctor, "mount_of", lambda root: nfs)
+    mount = diagnose(tree.root, environ=SEEDED).of("mount")
+    assert mount.verdict is Verdict.WARN and "nocto" in mount.detail and mount.detail.startswith("nfs4 srv:/export")
+    monkeypatch.setattr(doctor, "mount_of", lambda root: juicefs)
+    mount = diagnose(tree.root, environ=SEEDED).of("mount")
+    assert mount.verdict is Verdict.OK and mount.detail.endswith("shared between nodes")
