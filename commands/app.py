@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from pykv.commands import bench, calibrate, completions, config, demo, fsck, gc, init, inspect, serve, warm
+from pykv.commands import bench, calibrate, completions, config, demo, doctor, fsck, gc, init, inspect, serve, warm
 from pykv.commands.output import run_guarded
 
 
@@ -60,6 +60,7 @@ app.command("inspect")(inspect.inspect_command)
 app.command("gc")(gc.gc_command)
 app.command("fsck")(fsck.fsck_command)
 app.command("init")(init.init_command)
+app.command("doctor")(doctor.doctor_command)
 app.command("bench")(bench.bench_command)
 app.command("config")(config.config_command)
 app.command("calibrate")(calibrate.calibrate_command)

@@ -5,7 +5,7 @@ _pykv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     COMPREPLY=()
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "demo serve inspect gc fsck init bench config calibrate warm completions --help" -- "$cur"))
+        COMPREPLY=($(compgen -W "demo serve inspect gc fsck init doctor bench config calibrate warm completions --help" -- "$cur"))
         return
     fi
     case "${COMP_WORDS[1]}" in
@@ -60,6 +60,13 @@ _pykv() {
         init)
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=($(compgen -W "--help" -- "$cur"))
+            else
+                COMPREPLY=($(compgen -d -- "$cur"))
+            fi
+            ;;
+        doctor)
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "--json --help" -- "$cur"))
             else
                 COMPREPLY=($(compgen -d -- "$cur"))
             fi

@@ -299,11 +299,17 @@ def _marker_identity(root: Path) -> tuple[dict, str]:
     return data, xxhash.xxh3_64_hexdigest(raw)
 
 
+def foreign_entries(root: Path | str) -> list[str]:
+    """Names at ``root`` that pykv did not put there (sorted): anything but the file system's own
+    (``lost+found``), ``.pykv`` and the temps of the marker and the probes."""
+    with os.scandir(root) as entries:
+        return sorted(e.name for e in entries if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
+                      and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
+
+
 def _refuse_if_occupied(root: Path, field: str) -> None:
     """``NotEmptyRootError`` if ``root`` holds anything pykv did not put there."""
-    with os.scandir(root) as entries:
-        occupied = sorted(e.name for e in entries if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
-                          and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
+    occupied = foreign_entries(root)
     if occupied:
         raise NotEmptyRootError(
             f"{field}: {root} holds files ({len(occupied)} entries, e.g. {occupied[0]!r}) and is not a pykv tree "

@@ -53,6 +53,11 @@ CASES = {  # id -> argv (placeholders filled from the ``places`` fixture)
     "fsck/namespace-dir-as-root": ["fsck", "{nsdir}", "--repair", "--grace", "0"],
     "fsck/malformed-marker": ["fsck", "{badmarker}", "--repair", "--grace", "0"],
     "fsck/grace-garbage": ["fsck", "{tree}", "--repair", "--grace", "soon"],
+    "doctor/missing-root": ["doctor", "{missing}"],
+    "doctor/root-is-a-file": ["doctor", "{file}"],
+    "doctor/not-a-tree": ["doctor", "{plain}"],  # probes only in a tree or an empty directory
+    "doctor/namespace-dir-as-root": ["doctor", "{nsdir}"],
+    "doctor/unknown-option": ["doctor", "{tree}", "--repair"],
     "bench/missing-path": ["bench", "--path", "{missing}", *SMALL_BENCH],
     "bench/path-is-a-file": ["bench", "--path", "{file}", *SMALL_BENCH],
     "bench/size-garbage": ["bench", "--path", "{scratch}", "--size", "12Q", "--no-fio"],

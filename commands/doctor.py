@@ -1,0 +1,27 @@
+"""``pykv doctor``: what a mount does for pykv, one verdict per item (``pykv.maintenance.doctor``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from pykv.commands.output import JsonFlag, RootArgument, emit, line
+from pykv.maintenance.doctor import diagnose
+
+
+def doctor_command(root: RootArgument, as_json: JsonFlag = False) -> None:
+    """Probe a tree's mount (or an empty directory): publication by hard link, O_DIRECT, io_uring,
+    atime, free space, the tree marker, the hash seed. Exit 1 when an item fails."""
+    report = diagnose(root)
+    emit(report.as_dict(), as_json=as_json, render=_render)
+    if report.failed:
+        raise typer.Exit(1)
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    for check in data["checks"]:
+        line(out, f"{check['verdict']:<5} {check['item']:<14} {check['detail']}")
+    counts = data["counts"]
+    line(out, f"{data['verdict']}: " + ", ".join(f"{counts[v]} {v}" for v in ("ok", "warn", "fail", "skip")))
