@@ -189,3 +189,18 @@ def test_a_store_striped_over_three_roots_puts_each_block_on_its_device_and_load
         assert not client.wait("load").failures and client.loaded == {k: payload(k) for k in keys}
     finally:
         s.close()
+
+
+def test_auto_io_engine_is_the_thread_pool_over_several_devices(tmp_path):
+    from pykv.staging import StagingPool
+    from pykv.store import build_reactor, io_engine_for
+    assert io_engine_for("auto", 8) == "threadpool" and io_engine_for("io_uring", 8) == "io_uring"
+    assert io_engine_for("auto", 1) == "auto"
+    roots = [str(r) for r in make_roots(tmp_path, 2)]
+    config = PykvConfig.from_extra_config({"roots": roots})
+    reactor = build_reactor(config, StagingPool(slot_bytes_for(GEOMETRY.payload_length), 4),
+                            open_devices(config), client=None)
+    try:
+        assert reactor.backend.name == "threadpool" and reactor.medium.lanes == 2
+    finally:
+        reactor.close()
