@@ -209,35 +209,14 @@ def test_a_device_that_fails_stops_the_pass_instead_of_leaving_the_others_waitin
         together([good, dirs[1] / "missing.dat"], "read", engine="threadpool", size=4 << 20, block=1 << 20, depth=2)
 
 
-def test_the_calibration_over_several_roots_takes_the_run_s_roots_field():
-    from dataclasses import dataclass, field
+def test_the_calibration_over_several_roots_is_the_calibrate_job_s_own_run(tmp_path):
     from h200bench.interfaces import calibration_over
-
-    @dataclass
-    class WithRoots:
-        model: str
-        roots: list = field(default_factory=list)
-        root: Path | None = None
-
-    @dataclass
-    class RootRequired:
-        model: str
-        root: Path
-        roots: list = field(default_factory=list)
-
-    @dataclass
-    class OneRoot:
-        model: str
-        root: Path
-
-        def __post_init__(self):
-            self.root = Path(self.root)
-
-    roots = [Path("/a"), Path("/b")]
-    assert calibration_over(WithRoots, roots, model="m") == WithRoots("m", roots, None)
-    assert calibration_over(RootRequired, roots, model="m") == RootRequired("m", Path("/a"), roots)
-    with pytest.raises(RuntimeError, match="one root only"):
-        calibration_over(OneRoot, roots, model="m")
+    from pykv.jobs.calibrate_plan import CalibrationRun
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for root in roots:
+        root.mkdir()
+    run = calibration_over(CalibrationRun, roots, model="m", lengths=[1024])
+    assert run.root_paths == roots
 
 
 class ConfigRunner:

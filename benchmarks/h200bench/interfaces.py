@@ -10,7 +10,6 @@ record says which (``source``) and whether both agreed where both ran.
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import sys
@@ -121,18 +120,5 @@ def pykv_bench(runner, directories: list[str], *, medium: str) -> None:
 
 
 def calibration_over(CalibrationRun, roots: list[Path], **kwargs):
-    """A ``CalibrationRun`` over several roots, as ``pykv calibrate --root A --root B ...`` builds it:
-    its ``roots`` field when it has one (with ``root`` the first of them where still required),
-    else ``root`` given the list."""
-    params = inspect.signature(CalibrationRun).parameters
-    if "roots" in params:
-        kwargs["roots"] = list(roots)
-        if "root" in params and params["root"].default is inspect.Parameter.empty:
-            kwargs["root"] = roots[0]
-    else:
-        kwargs["root"] = roots[0] if len(roots) == 1 else list(roots)
-    try:
-        return CalibrationRun(**kwargs)
-    except TypeError as exc:
-        raise RuntimeError(f"this pykv's calibration takes one root only ({exc}): stage S3 needs the "
-                           "calibrate job over several roots") from exc
+    """A ``CalibrationRun`` over several roots, as ``pykv calibrate --root A --root B ...`` builds it."""
+    return CalibrationRun(root=roots[0], roots=list(roots), **kwargs)
