@@ -321,7 +321,11 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig, mo
         layer[:12].fill_(3)
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
     failed, report = run(worker, 1)  # finished for vLLM with every write still held
-    assert len(backends[0].held) == 3 and not failed and not report.stores_ended
+    assert not failed and not report.stores_ended
+    deadline = time.monotonic() + 20  # released once sealed: the reactor issues the writes right after
+    while len(backends[0].held) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(backends[0].held) == 3
     manager.complete_store(ks, ctx)
     assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in ks)
     assert not any(worker.devices[0].contains(worker.namespace.id, k) for k in ks)  # DRAM hits only
