@@ -14,7 +14,6 @@ An ``OSError`` from the tree itself (permissions, I/O) is one such line with sta
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pykv.deviceset import DeviceSet
+from pykv.deviceset import DeviceSet, absent_root, overlapping_roots
 from pykv.errors import InputError, PykvError
 from pykv.tree import MARKER_NAME, ROOT_EXEMPT, KVTree
 from pykv.units import format_size
@@ -225,14 +224,14 @@ def root_settings(roots: list[str] | list[Path]) -> dict[str, Any]:
 def check_new_roots(roots: list[Path]) -> None:
     """``check_new_root`` of each; several must exist already and must not overlap (a device set:
     ``DeviceSet.create``, which the engine runs, refuses the same)."""
-    real = [os.path.join(os.path.realpath(root), "") for root in roots]
-    for i in range(len(roots)):
-        for j in range(i):
-            if real[i].startswith(real[j]) or real[j].startswith(real[i]):
-                raise InputError(f"--root {roots[j]} and --root {roots[i]} overlap (one directory, or one inside "
-                                 f"the other); give each device's directory once")
-    for root in roots:
-        if len(roots) > 1 and not root.is_dir():
+    pair = overlapping_roots(roots)
+    if pair is not None:
+        j, i = pair
+        raise InputError(f"--root {roots[j]} and --root {roots[i]} overlap (one directory, or one inside "
+                         f"the other); give each device's directory once")
+    absent = absent_root(roots)
+    for index, root in enumerate(roots):
+        if index == absent:
             raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
                              f"(a device not mounted?); each directory of a device set must exist")
         check_new_root(root)

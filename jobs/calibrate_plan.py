@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pykv.calibration import TIERS
+from pykv.deviceset import absent_root
 from pykv.errors import InputError
 
 PHASES = ("recompute", "store", "disk", "gated")
@@ -63,10 +64,11 @@ class CalibrationRun:
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         self.roots = [Path(root) for root in self.roots]
-        for root in self.roots if len(self.roots) > 1 else ():
-            if not root.is_dir():
-                raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
-                                 f"(a device not mounted?); each directory of a device set must exist")
+        absent = absent_root(self.roots)
+        if absent is not None:
+            root = self.roots[absent]
+            raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
+                             f"(a device not mounted?); each directory of a device set must exist")
         if not self.lengths:
             raise InputError("--lengths: no lengths to measure")
         if self.repeat < 1:

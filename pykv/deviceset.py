@@ -73,11 +73,12 @@ class DeviceSet:
         each must be an existing directory: a device that did not mount is refused, not filled."""
         if len(roots) > 1:
             _refuse_nested(roots, field)
-            for index, root in enumerate(roots):
-                if not os.path.isdir(root):
-                    what = "is not a directory" if os.path.lexists(root) else "does not exist"
-                    raise InputError(f"{_name(field, index, len(roots))}: {root} {what} (a device not mounted?); "
-                                     f"pykv serves a device set only with all of its devices")
+            index = absent_root(roots)
+            if index is not None:
+                root = roots[index]
+                what = "is not a directory" if os.path.lexists(root) else "does not exist"
+                raise InputError(f"{_name(field, index, len(roots))}: {root} {what} (a device not mounted?); "
+                                 f"pykv serves a device set only with all of its devices")
         trees = [KVTree.create(root, options, field=_name(field, index, len(roots)))
                  for index, root in enumerate(roots)]
         devices = cls(trees, field=field)
@@ -134,14 +135,32 @@ def _name(field: str, index: int, count: int) -> str:
     return f"{field}[{index}]" if count > 1 else field
 
 
-def _refuse_nested(roots: Sequence[Path | str], field: str) -> None:
-    """Two roots that are one directory or one inside the other (checked before anything is created)."""
+def overlapping_roots(roots: Sequence[Path | str]) -> tuple[int, int] | None:
+    """The first pair ``(j, i)``, ``j < i``, of roots that are one directory or one inside the other."""
     real = [os.path.join(os.path.realpath(root), "") for root in roots]
     for i in range(len(roots)):
         for j in range(i):
             if real[i].startswith(real[j]) or real[j].startswith(real[i]):
-                raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {roots[j]} and {roots[i]} "
-                                 f"overlap (one directory, or one inside the other); give each device's tree once")
+                return j, i
+    return None
+
+
+def absent_root(roots: Sequence[Path | str]) -> int | None:
+    """With several roots, the first that is not an existing directory (a device that did not mount)."""
+    if len(roots) > 1:
+        for index, root in enumerate(roots):
+            if not os.path.isdir(root):
+                return index
+    return None
+
+
+def _refuse_nested(roots: Sequence[Path | str], field: str) -> None:
+    """Two roots that are one directory or one inside the other (checked before anything is created)."""
+    pair = overlapping_roots(roots)
+    if pair is not None:
+        j, i = pair
+        raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {roots[j]} and {roots[i]} "
+                         f"overlap (one directory, or one inside the other); give each device's tree once")
 
 
 def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> None:
