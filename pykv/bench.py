@@ -80,7 +80,7 @@ class _RawFile:
             raise
 
     def run(self, kind: OpKind) -> int:
-        moved = _sequential(self.backend, self.pool, self.fd, kind, self.blocks, self.block_size, self.depth)
+        moved = sequential_pass(self.backend, self.pool, self.fd, kind, self.blocks, self.block_size, self.depth)
         if kind is OpKind.WRITE:
             os.fsync(self.fd)
         return moved
@@ -130,8 +130,10 @@ def all_at_once(calls: Sequence[Callable[[], int]]) -> list[int]:
         return list(pool.map(lambda call: call(), calls))
 
 
-def _sequential(backend, pool: StagingPool, fd: int, kind: OpKind, blocks: int, block_size: int,
-                depth: int) -> int:
+def sequential_pass(backend, pool: StagingPool, fd: int, kind: OpKind, blocks: int, block_size: int,
+                    depth: int) -> int:
+    """Read or write ``blocks`` requests of ``block_size`` bytes of ``fd`` in order, ``depth`` in flight
+    (slots ``0..depth-1`` of ``pool``); the bytes moved. ``OSError`` on a short or failed request."""
     next_block, moved, free = 0, 0, list(range(depth))
     while next_block < blocks or len(free) < depth:
         batch = []

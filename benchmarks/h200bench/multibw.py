@@ -30,7 +30,8 @@ def transfer(engine: str, path: Path, kind: str, *, size: int, block: int, depth
     """Read or write ``size`` bytes of ``path`` sequentially in ``block`` requests, ``depth`` in flight;
     (start, end) ``perf_counter`` times. Backend, slots and file are set up before the clock starts
     (and before ``start``, a barrier the devices of one pass wait at)."""
-    from pykv.io.backend import IoRequest, OpKind
+    from pykv.bench import sequential_pass
+    from pykv.io.backend import OpKind
     from pykv.io.probe import open_backend
     from pykv.staging import StagingPool
 
@@ -40,24 +41,13 @@ def transfer(engine: str, path: Path, kind: str, *, size: int, block: int, depth
     try:
         backend = open_backend(engine, depth=depth + 2)
         fd = os.open(path, flags, 0o600)
-        blocks, next_block, free = size // block, 0, list(range(depth))
         if start is not None:
             start.wait()
         started = time.perf_counter()
-        while next_block < blocks or len(free) < depth:
-            batch = []
-            while free and next_block < blocks:
-                slot = free.pop()
-                batch.append(IoRequest(op, (slot, next_block), fd=fd, address=pool.address(slot), length=block,
-                                       offset=next_block * block))
-                next_block += 1
-            if batch:
-                backend.submit(batch)
-            for completion in backend.wait(1):
-                slot, index = completion.token
-                if completion.result != block:
-                    raise OSError(f"{kind} of block {index} of {path} returned {completion.result}")
-                free.append(slot)
+        try:
+            sequential_pass(backend, pool, fd, op, size // block, block, depth)
+        except OSError as exc:  # a short or failed request: name the device's file
+            raise OSError(f"{path}: {exc}") from exc
         if kind == "write":
             os.fsync(fd)
         return started, time.perf_counter()
