@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import parse_settings, root_settings
-from pykv.config import DRAM_POLICIES, VERIFY_MODES, PykvConfig
+from pykv.commands.output import parse_settings
+from pykv.config import DRAM_POLICIES, VERIFY_MODES, PykvConfig, root_keys
 from pykv.errors import InputError
 
 
@@ -34,7 +34,7 @@ def config_command(
         "--set", metavar="KEY=VALUE", help="Any other key of docs/configuration.md; repeatable.")] = None,
 ) -> None:
     """Print the JSON for vLLM's --kv-transfer-config that loads pykv (every key validated)."""
-    extra: dict[str, object] = root_settings(roots)
+    extra: dict[str, object] = root_keys(roots)
     named = {"dram_bytes": dram, "dram_policy": dram_policy, "staging_bytes": staging, "io_depth": io_depth,
              "verify": verify, "fsync": fsync}
     extra.update({key: value for key, value in named.items() if value is not None})

@@ -214,13 +214,6 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
     return values
 
 
-def root_settings(roots: list[str] | list[Path]) -> dict[str, Any]:
-    """The pykv key for repeated ``--root`` values: ``root`` for one directory, ``roots`` for several."""
-    if len(roots) == 1:
-        return {"root": str(roots[0])}
-    return {"roots": [str(root) for root in roots]}
-
-
 def check_new_roots(roots: list[Path]) -> None:
     """``check_new_root`` of each; several must exist already and must not overlap (a device set:
     ``DeviceSet.create``, which the engine runs, refuses the same)."""

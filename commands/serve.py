@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import check_new_roots, parse_settings, root_settings, warn
-from pykv.config import PykvConfig
+from pykv.commands.output import check_new_roots, parse_settings, warn
+from pykv.config import PykvConfig, root_keys
 from pykv.jobs.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
 from pykv.errors import InputError
@@ -50,7 +50,7 @@ def serve_command(
             raise InputError("--root: missing (or set PYKV_ROOT)")
         roots = [Path(os.environ["PYKV_ROOT"])]
     check_new_roots(roots)
-    extra = {**root_settings(roots), **parse_settings(settings or [])}
+    extra = {**root_keys(roots), **parse_settings(settings or [])}
     if dram is not None:
         extra["dram_bytes"] = dram
     if block_tokens < 1:

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_roots, emit,
-    parse_engine_args, parse_settings, root_settings, table, warn)
-from pykv.config import PykvConfig
+    parse_engine_args, parse_settings, table, warn)
+from pykv.config import PykvConfig, root_keys
 from pykv.jobs.serve import check_vllm_args
 from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
 from pykv.errors import InputError
@@ -55,7 +55,7 @@ def warm_command(
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_settings(settings or [])
-    if not PykvConfig.from_extra_config({**root_settings(roots), **extra}).store:  # every key checked up front
+    if not PykvConfig.from_extra_config({**root_keys(roots), **extra}).store:  # every key checked up front
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
     if block_tokens < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pykv.calibration import TIERS
+from pykv.config import root_keys
 from pykv.deviceset import absent_root
 from pykv.errors import InputError
 
@@ -111,7 +112,7 @@ def engine_kwargs(run: CalibrationRun) -> dict[str, Any]:
 def scratch_roots(scratch: Path | list[Path]) -> dict[str, Any]:
     """The pykv key for the scratch tree: ``root``, or ``roots`` for one per device."""
     paths = scratch if isinstance(scratch, list) else [scratch]
-    return {"roots": [str(p) for p in paths]} if len(paths) > 1 else {"root": str(paths[0])}
+    return root_keys(paths)
 
 
 def plan_phases(run: CalibrationRun, scratch: Path | list[Path], work: Path, dram_bytes: int) -> list[Phase]:

@@ -53,14 +53,13 @@ def wait_for_blocks(root: Path | list[Path], expected: int, timeout: float = 60.
 
 def demo_job(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
     """(In the engine process) the two runs: ``{"runs": [{run, seconds, num_cached_tokens, tokens}, ...]}``."""
-    from pykv.config import PykvConfig
+    from pykv.config import PykvConfig, root_keys
     from pykv.connector import compat
     from pykv.jobs.tiny_model import make_tiny_llama
 
     roots = [Path(r) for r in plan.get("roots") or [plan["root"]]]
     model = make_tiny_llama(Path(plan["model"]))
-    where: dict[str, Any] = {"roots": [str(r) for r in roots]} if len(roots) > 1 else {"root": str(roots[0])}
-    config = PykvConfig.from_extra_config(where).to_kv_transfer_config(STORAGE_BLOCK_TOKENS)
+    config = PykvConfig.from_extra_config(root_keys(roots)).to_kv_transfer_config(STORAGE_BLOCK_TOKENS)
     events.progress("engine", 0, 3)
     llm = compat.LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=32,
                      max_model_len=4096, gpu_memory_utilization=0.3, enable_prefix_caching=False, seed=0,

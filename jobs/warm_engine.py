@@ -127,7 +127,7 @@ def _settle(llm: Any, missing: Callable[[], int], timeout: float, report: Callab
 def warm_job(data: dict[str, Any], events: EventLog) -> dict[str, Any]:
     """Start the engine the plan describes and warm its prompts (``data``: the ``WarmPlan`` and
     ``scratch_root``, where a dry run's engine stores)."""
-    from pykv.config import PykvConfig
+    from pykv.config import PykvConfig, root_keys
     from pykv.connector import compat
     from pykv.deviceset import DeviceSet
     from pykv.jobs.serve import engine_kwargs, with_platform_defaults
@@ -137,7 +137,7 @@ def warm_job(data: dict[str, Any], events: EventLog) -> dict[str, Any]:
     events.progress("engine", 0, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the manager must live in this process
     roots, devices = plan.root_paths, None
-    where: dict[str, Any] = {"roots": roots} if len(roots) > 1 else {"root": roots[0]}
+    where = root_keys(roots)
     if plan.dry_run:  # the engine's pykv writes a scratch tree; the real set is only read
         where = {"root": data["scratch_root"]}
         if all((Path(root) / MARKER_NAME).exists() for root in roots):

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
-from pykv.config import PykvConfig
+from pykv.config import PykvConfig, root_keys
 from pykv.io.probe import open_backend
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReadyBlock, StoreBlock
@@ -188,8 +188,7 @@ def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, blo
         raise
     pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots))
     source = _ZeroSource()
-    where = {"roots": tuple(map(str, roots))} if len(roots) > 1 else {"root": str(roots[0])}
-    settings = PykvConfig(**where, io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
+    settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
                           read_segment_bytes=read_segment)
     reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size * len(roots))]

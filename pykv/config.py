@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from pykv.deviceset import MAX_DEVICES
 from pykv.errors import InputError
@@ -126,6 +126,13 @@ def _optional_path(value: Any, key: str) -> str | None:
     if not isinstance(value, str):
         raise InputError(f"{PREFIX}.{key}: expected a file path, got {value!r}")
     return value
+
+
+def root_keys(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+    """The keys naming a tree's directories: ``root`` for one, ``roots`` (a list) for several."""
+    if len(paths) == 1:
+        return {"root": os.fspath(paths[0])}
+    return {"roots": [os.fspath(path) for path in paths]}
 
 
 IO_ENGINES = ("auto", "io_uring", "threadpool")

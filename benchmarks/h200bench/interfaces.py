@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pykv.config import PykvConfig
+from pykv.config import PykvConfig, root_keys
 
 from h200bench.settings import CHUNK
 from h200bench.util import log
@@ -28,7 +28,7 @@ def set_items(runner) -> list[str]:
 
 def library_ktc(roots: list[str], items: list[str], dram_zero: bool = False) -> dict:
     """What ``pykv config --root R ... [--dram 0] [--set K=V ...]`` prints, from the library."""
-    extra: dict = {"root": roots[0]} if len(roots) == 1 else {"roots": list(roots)}
+    extra = root_keys(roots)
     for item in items:
         key, _, value = item.partition("=")
         extra[key.strip()] = value.strip()
