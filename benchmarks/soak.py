@@ -2,6 +2,13 @@
 
 usage: python benchmarks/soak.py --minutes 30 --root DIR --max-size 1G [--storers 2] [--loaders 2]
                                  [--block-size 1M-4M] [--rate 10M] [--gc-interval 2s] [--json OUT]
+       python benchmarks/soak.py --juicefs WORK ...   (one JuiceFS volume mounted three times)
+
+``--root`` may be given several times: the same tree seen through several mounts (clients
+of a shared file system). Storers and loaders take them in turn; gc and fsck use the last
+one when there are three or more, so they run on a client of their own. ``--juicefs WORK``
+formats a JuiceFS volume under WORK (SQLite metadata, a local bucket), mounts it three
+times and uses ``clientN/kv`` on each as the roots (tests/juicefs_volume.py).
 
 Storers and loaders are separate processes, each with its own reactor (the engine's
 store and load path: io_uring or the thread pool, O_DIRECT where the disk takes it);
@@ -44,7 +51,10 @@ FSCK_INTERVAL_S = 300.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--root", required=True, help="tree to use (created; its blocks are the soak's own)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--root", action="append", dest="roots",
+                       help="tree to use (created; its blocks are the soak's own); repeat for several mounts of it")
+    where.add_argument("--juicefs", metavar="WORK", help="mount a new JuiceFS volume three times under WORK")
     p.add_argument("--max-size", default="1G", help="size limit gc holds the tree at")
     p.add_argument("--storers", type=int, default=2)
     p.add_argument("--loaders", type=int, default=2)
@@ -62,6 +72,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def role_root(args: argparse.Namespace, seed: int, maintenance: bool = False) -> str:
+    """The mount a role works through: storers and loaders in turn, gc and fsck on the last of three or more."""
+    roots = args.roots
+    if maintenance:
+        return roots[-1]
+    workers = roots[:-1] if len(roots) >= 3 else roots
+    return workers[seed % len(workers)]
+
+
 def _geometry(args: argparse.Namespace, key: bytes):
     return geometry_of(key, args.min_block, args.max_block)
 
@@ -72,7 +91,7 @@ def _keys(args: argparse.Namespace, rng: random.Random) -> list[bytes]:
 
 def _rig(args: argparse.Namespace, seed: int) -> Rig:
     """A reactor of its own; odd seeds use io_uring, even ones the thread pool."""
-    return Rig(args.root, create=False, backend="io_uring" if seed % 2 else "threadpool", max_payload=args.max_block,
+    return Rig(role_root(args, seed), create=False, backend="io_uring" if seed % 2 else "threadpool", max_payload=args.max_block,
                slots=6, keep_payloads=False)
 
 
@@ -119,7 +138,7 @@ def loader(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
 
 def collector(args: argparse.Namespace, seed: int, deadline: float) -> dict:
-    tree, counts = KVTree.open(args.root), Counter()
+    tree, counts = KVTree.open(role_root(args, seed, maintenance=True)), Counter()
     sizes = []
     while time.monotonic() < deadline:
         result = run_gc(tree, args.max_bytes, min_age_s=0)
@@ -136,7 +155,7 @@ def collector(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
 
 def checker(args: argparse.Namespace, seed: int, deadline: float) -> dict:
-    tree, counts, errors = KVTree.open(args.root), Counter(), []
+    tree, counts, errors = KVTree.open(role_root(args, seed, maintenance=True)), Counter(), []
     next_run = time.monotonic() + min(FSCK_INTERVAL_S, max((deadline - time.monotonic()) / 2, 1))
     while time.monotonic() < deadline:
         if time.monotonic() < next_run:
@@ -151,7 +170,7 @@ def checker(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
 
 def soak(args: argparse.Namespace) -> dict:
-    tree = KVTree.create(args.root)
+    tree = KVTree.create(args.roots[0])
     tree.ensure_namespace(NS)
     started = time.time()
     deadline = time.monotonic() + args.minutes * 60
@@ -169,7 +188,7 @@ def soak(args: argparse.Namespace) -> dict:
         "minutes": round((time.time() - started) / 60, 1),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": {"root": args.root, "max_size": args.max_bytes, "storers": args.storers, "loaders": args.loaders,
+        "settings": {"roots": args.roots, "file_system": "JuiceFS, three clients" if args.juicefs else "local", "max_size": args.max_bytes, "storers": args.storers, "loaders": args.loaders,
                      "block_size": [args.min_block, args.max_block], "keys": args.keys, "rate": args.rate_bytes},
         "operations": dict(counts),
         "tree_bytes_before_gc": next((r["tree_bytes_before_gc"] for r in results if r["role"] == "collector"), {}),
@@ -182,9 +201,21 @@ def soak(args: argparse.Namespace) -> dict:
     }
 
 
+def run(args: argparse.Namespace) -> dict:
+    """The soak on ``--root``s, or on a JuiceFS volume mounted for it and unmounted after."""
+    if not args.juicefs:
+        return soak(args)
+    from juicefs_volume import juicefs_volume, unavailable_reason  # tests/, on the path above
+    if (reason := unavailable_reason()) is not None:
+        raise SystemExit(f"soak: --juicefs: {reason}")
+    with juicefs_volume(Path(args.juicefs), clients=3) as volume:
+        args.roots = [str(mount / "kv") for mount in volume.mounts]
+        return soak(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    summary = soak(args)
+    summary = run(args)
     ops = summary["operations"]
     print(f"soak {summary['minutes']} min on {summary['machine']}")
     print(f"  stores: {ops.get('store_blocks', 0)} blocks in {ops.get('store_jobs', 0)} jobs "
