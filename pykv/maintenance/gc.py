@@ -234,8 +234,16 @@ def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
     check_limits(max_size, min_age_s)  # before the scan creates .pykv/catalog.db
     started = time.monotonic()
     scan = scan_tree(tree, use_catalog=use_catalog)
+    return collect_scanned(tree, scan.entries, max_size, min_age_s=min_age_s, dry_run=dry_run, started=started)
+
+
+def collect_scanned(tree: KVTree, entries: Iterable[Entry], max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
+                    dry_run: bool = False, started: float | None = None) -> GcResult:
+    """Plan and collect ``entries`` (a scan of ``tree``) down to ``max_size``; record the outcome in
+    ``gc.json`` unless ``dry_run``. ``started``: the ``time.monotonic()`` the scan began at."""
+    started = time.monotonic() if started is None else started
     with collector_paused():
-        result = collect(plan_gc(scan.entries, max_size, min_age_s=min_age_s), dry_run=dry_run, root=tree.root)
+        result = collect(plan_gc(entries, max_size, min_age_s=min_age_s), dry_run=dry_run, root=tree.root)
     result.finished_at = time.time()
     result.seconds = time.monotonic() - started
     if not dry_run:
