@@ -7,7 +7,7 @@ A check is one round per device (the limit is per device: each device's share of
 tree is kept under it):
 
 1. take the device's lease (``pykv.maintenance.lease``); another engine holds it: skip
-   (that engine is evicting now), try again within a second;
+   (that engine is evicting now), try again a quarter second later;
 2. scan the device (through gc's catalog) and, when its blocks exceed the limit, delete
    least-recently-accessed blocks down to the low-water mark (90 % of the limit) with
    gc's own code (``gc.collect_scanned``: min age, re-stat before each unlink, only
@@ -42,7 +42,7 @@ from pykv.units import format_size
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # a round that evicts goes down to this fraction of the limit
-RETRY_S = 1.0  # after a skipped round (another engine held the lease), check again this soon
+RETRY_S = 0.25  # after a skipped round (another engine held the lease), check again this soon
 MIN_LEASE_TTL_S = 30.0
 
 
