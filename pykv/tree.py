@@ -347,6 +347,18 @@ def write_small(path: Path | str, content: bytes, mode: int, *, dir_fd: int | No
     os.close(fd)
 
 
+def replace_small(name: str, content: bytes, mode: int, *, dir_fd: int) -> None:
+    """Replace ``name`` in the directory ``dir_fd`` atomically with ``content`` (a synced temp beside
+    it, renamed over it); the temp is removed again when either step fails (a full disk)."""
+    temp = temp_name(name)
+    write_small(temp, content, mode, dir_fd=dir_fd)
+    try:
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+        raise
+
 
 def _unlink_quietly(path: Path) -> None:
     try:

@@ -90,12 +90,19 @@ def test_a_stale_lease_is_taken_over_and_its_holder_finds_it_lost(tree):
     assert leftovers(tree) == []
 
 
-def test_a_late_renew_does_not_race_a_takeover(tree):
-    clock = Clock()
-    a = Lease(tree, "a", ttl_s=TTL, clock=clock)
+def test_a_renew_near_or_past_its_expiry_never_overwrites_a_takeover(tree):
+    clock_a, clock_b = Clock(), Clock()
+    a, b = Lease(tree, "a", ttl_s=TTL, clock=clock_a), Lease(tree, "b", ttl_s=TTL, clock=clock_b)
     assert a.acquire()
-    clock.now += TTL * 0.9  # within the last third: renewing now could race a takeover
-    assert not a.renew() and read_lease(tree).holder == "a"
+    clock_a.now += TTL + 5  # a stalled past its expiry, and nobody took the lease: it renews
+    assert a.renew() and read_lease(tree).holder == "a" and read_lease(tree).expires_at == clock_a.now + TTL
+    clock_a.now += TTL - 0.5  # half a second before its expiry: renewed the takeover's way
+    assert a.renew() and read_lease(tree).expires_at == clock_a.now + TTL
+    clock_b.now = clock_a.now + TTL + 1
+    assert b.acquire()  # a stalls past its expiry again, and b takes over
+    clock_a.now += TTL + 2
+    assert not a.renew() and read_lease(tree).holder == "b"
+    assert leftovers(tree) == []
 
 
 def test_a_crashed_holder_is_taken_over_after_its_expiry(tree):

@@ -65,7 +65,8 @@ class EvictionPolicy:
 
     @property
     def lease_ttl_s(self) -> float:
-        """A lease not renewed for this long is stale (its holder crashed or hung)."""
+        """A lease not renewed for this long is stale (its holder crashed or hung); the evictor
+        lengthens it to three times a device's last round where rounds take longer."""
         return max(3 * self.interval_s, MIN_LEASE_TTL_S)
 
 
@@ -113,6 +114,7 @@ class TreeEvictor:
                  clock: Callable[[], float] = time.time) -> None:
         self.devices, self.policy = devices, policy
         self.leases = [Lease(tree, ttl_s=policy.lease_ttl_s, clock=clock) for tree in devices]
+        self._round_seconds = [0.0] * len(self.leases)  # each device's last round: a lease outlives three
         self._lock = threading.Lock()
         self._stored = 0
         self._behind = False
@@ -157,7 +159,8 @@ class TreeEvictor:
         with self._lock:
             stored, self._stored = self._stored, 0
         results = []
-        for tree, lease in zip(self.devices, self.leases):
+        for index, (tree, lease) in enumerate(zip(self.devices, self.leases)):
+            lease.ttl_s = max(self.policy.lease_ttl_s, 3 * self._round_seconds[index])
             try:
                 result = evict_round(tree, lease, self.policy)
             except Exception as exc:  # never let the thread die: log, count, try again next time
@@ -168,6 +171,7 @@ class TreeEvictor:
             if result is None:
                 self._count(Metric.EVICT_LEASE_SKIPS)
             else:
+                self._round_seconds[index] = result.seconds
                 self._round_done(result)
             results.append(result)
         if any(r is None for r in results):

@@ -6,8 +6,9 @@ published the way blocks are, by hard-linking a fully written temp to the final 
 ``link`` is atomic with ``EEXIST`` on local file systems, NFS, JuiceFS, Lustre and
 CephFS, so of several engines acquiring at once exactly one wins.
 
-- **Renew**: the holder replaces the file (temp, then rename over) while its lease is
-  still unexpired by at least a third of the time to live.
+- **Renew**: the holder replaces the file (temp, then rename over) while its lease has
+  time left; near or past its expiry it renews the way a takeover does (below), so a
+  renew never overwrites a lease someone else took over.
 - **Release and stale takeover**: a lease is removed by renaming it to a unique temp
   name (one rename wins), reading what was renamed and deleting it only if it holds the
   very bytes the remover judged (its own lease, or the expired one it read); anything
@@ -17,7 +18,8 @@ CephFS, so of several engines acquiring at once exactly one wins.
 The residual race: while a remover holds a fresh lease under its temp name, a third
 engine may acquire; the restore then meets ``EEXIST`` and two engines believe they
 hold the lease until the first one's next renew finds the file changed (a holder that
-stalls past its expiry is the same case). Two evictors at once are harmless: each
+stalls for a second between reading its lease and renaming over it, right at its expiry, is
+the same case). Two evictors at once are harmless: each
 deletes only old, published blocks in LRU order and counts a block the other already
 deleted as freed by someone else, so at worst a little more is evicted; no reader ever
 sees wrong data (a deleted block is a miss). Expiries compare the holder's clock with
@@ -43,9 +45,10 @@ from typing import Callable
 
 from pykv.errors import UnsafePathError
 from pykv.io.safe_paths import directory_fd, open_regular
-from pykv.tree import HOST, LEASE_NAME, STATE_DIR, KVTree, temp_name, write_small
+from pykv.tree import HOST, LEASE_NAME, STATE_DIR, KVTree, replace_small, temp_name, write_small
 
 LEASE_LIMIT = 4096  # a lease is ~150 bytes; anything larger is not one
+RENEW_MARGIN_S = 1.0  # closer to its expiry, a lease is renewed the takeover's way (never renamed over)
 
 
 class LeaseRefused(UnsafePathError):
@@ -99,8 +102,7 @@ class Lease:
             return self._publish(fd)
 
     def renew(self) -> bool:
-        """Extend the expiry of a lease this holder still holds safely; False (and not held) if it
-        was lost or is too close to its expiry to renew without racing a takeover."""
+        """Extend the expiry of a lease this holder still holds; False (and not held) if it was lost."""
         if self._raw is None:
             return False
         with directory_fd(self.tree.root, STATE_DIR) as fd:
@@ -137,20 +139,18 @@ class Lease:
         return True
 
     def _renew_at(self, fd: int) -> bool:
-        margin = self.ttl_s / 3
         current = _read(fd)
-        if current is None or current.raw != self._raw or self._clock() > self._expires_at - margin:
-            self._raw = None  # lost, or too late to renew safely: go through acquire again
+        if current is None or current.raw != self._raw:
+            self._raw = None  # lost: someone took it over (we had stalled past its expiry)
             return False
+        if self._clock() > self._expires_at - min(self.ttl_s / 10, RENEW_MARGIN_S):
+            if not _remove_if(fd, self._raw):  # near or past its expiry: renew as a takeover would
+                self._raw = None
+                return False
+            self._raw = None
+            return self._publish(fd)
         raw, expires_at = self._content()
-        temp = temp_name(LEASE_NAME)
-        write_small(temp, raw, self.tree.options.file_mode, dir_fd=fd)
-        try:
-            os.replace(temp, LEASE_NAME, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=fd)
-            raise
+        replace_small(LEASE_NAME, raw, self.tree.options.file_mode, dir_fd=fd)
         self._raw, self._expires_at = raw, expires_at
         return True
 
