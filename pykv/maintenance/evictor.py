@@ -114,6 +114,7 @@ class TreeEvictor:
                  clock: Callable[[], float] = time.time) -> None:
         self.devices, self.policy = devices, policy
         self.leases = [Lease(tree, ttl_s=policy.lease_ttl_s, clock=clock) for tree in devices]
+        self._last_error: str | None = None
         self._round_seconds = [0.0] * len(self.leases)  # each device's last round: a lease outlives three
         self._lock = threading.Lock()
         self._stored = 0
@@ -164,13 +165,16 @@ class TreeEvictor:
             try:
                 result = evict_round(tree, lease, self.policy)
             except Exception as exc:  # never let the thread die: log, count, try again next time
-                log.warning("pykv: eviction round on %s failed: %s", tree.root, exc)
+                message = f"pykv: eviction round on {tree.root} failed: {exc}"
+                log.log(logging.DEBUG if message == self._last_error else logging.WARNING, message)
+                self._last_error = message  # (the same failure again is not warned about every round)
                 self._count(Metric.EVICT_ERRORS)
                 results.append(None)
                 continue
             if result is None:
                 self._count(Metric.EVICT_LEASE_SKIPS)
             else:
+                self._last_error = None
                 self._round_seconds[index] = result.seconds
                 self._round_done(result)
             results.append(result)

@@ -144,11 +144,9 @@ class Lease:
             self._raw = None  # lost: someone took it over (we had stalled past its expiry)
             return False
         if self._clock() > self._expires_at - min(self.ttl_s / 10, RENEW_MARGIN_S):
-            if not _remove_if(fd, self._raw):  # near or past its expiry: renew as a takeover would
-                self._raw = None
-                return False
+            removed = _remove_if(fd, self._raw)  # near or past its expiry: renew as a takeover would
             self._raw = None
-            return self._publish(fd)
+            return removed and self._publish(fd)
         raw, expires_at = self._content()
         replace_small(LEASE_NAME, raw, self.tree.options.file_mode, dir_fd=fd)
         self._raw, self._expires_at = raw, expires_at
