@@ -1,7 +1,8 @@
 """Soak: mixed stores, loads, gc and fsck on one tree held at its size limit, for a long time.
 
 usage: python benchmarks/soak.py --minutes 30 --root DIR --max-size 1G [--storers 2] [--loaders 2]
-                                 [--block-size 1M-4M] [--rate 10M] [--gc-interval 2s] [--json OUT]
+                                 [--block-size 1M-4M] [--rate 10M] [--gc-interval 2s] [--evict gc|engine]
+                                 [--json OUT]
        python benchmarks/soak.py --juicefs WORK ...   (one JuiceFS volume mounted three times)
 
 ``--root`` may be given several times: the same tree seen through several mounts (clients
@@ -17,6 +18,12 @@ The key space holds about three times ``--max-size``: a gc process (``run_gc``, 
 ``pykv gc --min-age 0`` runs) holds the tree at its limit while the others work, and
 loads hit, miss, or lose their block to gc mid-flight. An fsck process checks the
 live tree every few minutes. At the end: one last gc and an fsck with no grace.
+
+With ``--evict engine`` no gc process runs: each storer keeps the tree under
+``--max-size`` the way an engine with ``max_tree_bytes`` does (a ``TreeEvictor`` on its
+own thread, rounds every ``--gc-interval`` and after each 5 % of the limit stored, one
+storer at a time under the tree's lease, ``evict_min_age`` 0), and the collector only
+samples the tree's block bytes every second (``tree_bytes``: min, max, mean).
 
 Counted as errors (the run must end with 0): a failed store, a failed load other than a
 plain miss (the block is not there), a delivered block with wrong bytes, an exception
@@ -38,7 +45,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reliability tests' rig
 
+from pykv.deviceset import DeviceSet  # noqa: E402
 from pykv.maintenance import fsck, run_gc  # noqa: E402
+from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor  # noqa: E402
+from pykv.maintenance.scan import Kind, Scan  # noqa: E402
 from pykv.tree import KVTree  # noqa: E402
 from pykv.units import format_size, parse_duration, parse_size  # noqa: E402
 
@@ -61,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", default="1M-4M", help="payload size range of a block, MIN-MAX")
     p.add_argument("--rate", default="10M", help="bytes per second each storer and each loader moves at most")
     p.add_argument("--gc-interval", default="2s")
+    p.add_argument("--evict", choices=("gc", "engine"), default="gc",
+                   help="gc: a gc process holds the limit; engine: each storer evicts as an engine with "
+                        "max_tree_bytes does (under the tree's lease)")
     p.add_argument("--json", help="write the summary here too")
     args = p.parse_args(argv)
     low, _, high = args.block_size.partition("-")
@@ -113,6 +126,9 @@ def _paced_jobs(args: argparse.Namespace, seed: int, deadline: float, job) -> di
 
 
 def storer(args: argparse.Namespace, seed: int, deadline: float) -> dict:
+    evictor = None if args.evict != "engine" else TreeEvictor(
+        DeviceSet([KVTree.open(role_root(args, seed))]), EvictionPolicy(args.max_bytes, 0.0, args.gc_interval_s)).start()
+
     def store(rig: Rig, keys: list[bytes], counts: Counter, errors: list[str]) -> int:
         out = rig.store(keys, [_geometry(args, k) for k in keys], timeout=300)
         counts["store_jobs"] += 1
@@ -120,8 +136,20 @@ def storer(args: argparse.Namespace, seed: int, deadline: float) -> dict:
         counts["published"] += out.result.published
         counts["store_bytes"] += out.result.bytes
         errors += [f"store {keys[i].hex()}: {reason}" for i, reason in out.result.failed.items()]
+        if evictor is not None:
+            evictor.note_stored(out.result.bytes)
         return counts["store_bytes"]
-    return _paced_jobs(args, seed, deadline, store)
+    try:
+        result = _paced_jobs(args, seed, deadline, store)
+    finally:
+        if evictor is not None:
+            evictor.close(timeout=300)
+    if evictor is not None:  # pykv:evict_rounds -> evict_rounds, ...
+        result["counts"].update({name.split(":", 1)[1]: value for name, value in evictor.stats().items()})
+        if evictor.stats().get("pykv:evict_errors"):
+            result["errors"].append(f"{evictor.stats()['pykv:evict_errors']} eviction rounds failed (see the log)")
+            result["error_count"] += 1
+    return result
 
 
 def loader(args: argparse.Namespace, seed: int, deadline: float) -> dict:
@@ -140,6 +168,14 @@ def loader(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 def collector(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     tree, counts = KVTree.open(role_root(args, seed, maintenance=True)), Counter()
     sizes = []
+    if args.evict == "engine":  # the storers evict: sample the tree's size every second
+        while time.monotonic() < deadline:
+            sizes.append(sum(e.size for e in Scan.of(tree).entries if e.kind is Kind.BLOCK))
+            time.sleep(1.0)
+        settled = sizes[len(sizes) // 4:] or sizes
+        return {"counts": counts, "errors": [], "error_count": 0,
+                "tree_bytes": {"min": min(settled, default=0), "max": max(sizes, default=0),
+                               "mean": sum(settled) / max(len(settled), 1), "samples": len(sizes)}}
     while time.monotonic() < deadline:
         result = run_gc(tree, args.max_bytes, min_age_s=0)
         counts["gc_runs"] += 1
@@ -188,10 +224,14 @@ def soak(args: argparse.Namespace) -> dict:
         "minutes": round((time.time() - started) / 60, 1),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": {"roots": args.roots, "file_system": "JuiceFS, three clients" if args.juicefs else "local", "max_size": args.max_bytes, "storers": args.storers, "loaders": args.loaders,
-                     "block_size": [args.min_block, args.max_block], "keys": args.keys, "rate": args.rate_bytes},
+        "settings": {"roots": args.roots, "file_system": "JuiceFS, three clients" if args.juicefs else "local",
+                     "max_size": args.max_bytes, "storers": args.storers, "loaders": args.loaders,
+                     "block_size": [args.min_block, args.max_block], "keys": args.keys, "rate": args.rate_bytes,
+                     "evict": args.evict},
         "operations": dict(counts),
-        "tree_bytes_before_gc": next((r["tree_bytes_before_gc"] for r in results if r["role"] == "collector"), {}),
+        "tree_bytes_before_gc": next((r.get("tree_bytes_before_gc", {}) for r in results if r["role"] == "collector"),
+                                     {}),
+        "tree_bytes": next((r.get("tree_bytes", {}) for r in results if r["role"] == "collector"), {}),
         "final_gc": {"total_bytes": final_gc.total_bytes, "remaining_bytes": final_gc.remaining_bytes,
                      "target_reached": final_gc.target_reached},
         "final_fsck": {"clean": final.clean, "blocks_checked": final.blocks_checked,
@@ -222,10 +262,17 @@ def main(argv: list[str] | None = None) -> int:
           f"({format_size(ops.get('store_bytes', 0))}), {ops.get('published', 0)} published")
     print(f"  loads:  {ops.get('load_hits', 0)} hits, {ops.get('load_misses', 0)} misses in {ops.get('load_jobs', 0)} "
           f"jobs ({format_size(ops.get('load_bytes', 0))})")
-    print(f"  gc:     {ops.get('gc_runs', 0)} runs freed {ops.get('gc_freed_files', 0)} files "
-          f"({format_size(ops.get('gc_freed_bytes', 0))}); tree before gc "
-          f"{format_size(int(summary['tree_bytes_before_gc'].get('mean', 0)))} on average, limit "
-          f"{format_size(summary['settings']['max_size'])}")
+    if args.evict == "engine":
+        sizes = summary["tree_bytes"]
+        print(f"  evict:  {ops.get('evict_rounds', 0)} rounds evicted {ops.get('evicted_blocks', 0)} blocks "
+              f"({format_size(ops.get('evicted_bytes', 0))}), {ops.get('evict_lease_skips', 0)} lease skips; tree "
+              f"{format_size(int(sizes.get('mean', 0)))} on average, at most {format_size(sizes.get('max', 0))} "
+              f"({sizes.get('samples', 0)} samples), limit {format_size(summary['settings']['max_size'])}")
+    else:
+        print(f"  gc:     {ops.get('gc_runs', 0)} runs freed {ops.get('gc_freed_files', 0)} files "
+              f"({format_size(ops.get('gc_freed_bytes', 0))}); tree before gc "
+              f"{format_size(int(summary['tree_bytes_before_gc'].get('mean', 0)))} on average, limit "
+              f"{format_size(summary['settings']['max_size'])}")
     print(f"  fsck:   {ops.get('fsck_runs', 0)} live runs; final: {'clean' if summary['final_fsck']['clean'] else 'PROBLEMS'}"
           f" ({summary['final_fsck']['blocks_checked']} blocks)")
     print(f"  errors: {summary['errors']}")

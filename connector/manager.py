@@ -12,7 +12,9 @@ exists, which happens only after a worker published it. Failures come back from
 the workers no later than the job's completion (``on_worker_report`` is called
 before vLLM's ``complete_*`` of the same step), so a key whose load failed is
 forgotten before vLLM retries the request and the retry misses instead of looping.
-A store the medium refused pauses stores here too (``StorePause``).
+A store the medium refused pauses stores here too (``StorePause``). With
+``max_tree_bytes`` the manager runs the engine's ``TreeEvictor`` (its own thread) and
+stores nothing while the evictor is behind.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections import Counter
 from typing import Any, Collection
 
 from pykv.calibration import BreakEvenGate
+from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
@@ -73,6 +76,10 @@ class PykvManager(OffloadingManager):
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
         self.counters: Counter[str] = Counter()
+        self._block_bytes = slot_bytes(config)  # what one stored block adds to the tree, at most
+        self.evictor = TreeEvictor(self.devices, EvictionPolicy(pykv.max_tree_bytes, pykv.evict_min_age,
+                                                                pykv.evict_interval)).start() \
+            if pykv.max_tree_bytes and pykv.store else None
         self._reported: Counter[str] = Counter()
         self._stats_file = CounterFile("scheduler")
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
@@ -173,7 +180,8 @@ class PykvManager(OffloadingManager):
         instance only loads (``store`` false), store nothing."""
         keys = list(keys)
         refused = Metric.STORES_OFF if not self.pykv.store else \
-            Metric.STORES_DISABLED if self.store_pause.active(self._clock()) else None
+            Metric.STORES_DISABLED if self.store_pause.active(self._clock()) else \
+            Metric.STORES_OVER_LIMIT if self.evictor is not None and self.evictor.behind else None
         if refused:
             self.counters[refused] += len(keys)
             self._write_stats()
@@ -193,6 +201,8 @@ class PykvManager(OffloadingManager):
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """DRAM entries become hits; with early release a slot stays pinned until its write ends."""
         self.residency.store_completed(keys, success)
+        if self.evictor is not None and success:
+            self.evictor.note_stored(len(keys) * self._block_bytes)
         self._write_stats()
 
     # -- worker feedback -----------------------------------------------------------------------
@@ -264,6 +274,7 @@ class PykvManager(OffloadingManager):
 
     def get_stats(self):
         """pykv's counters since the last call, as vLLM ``OffloadingConnectorStats``."""
+        self._take_evictor_counters()
         delta = self.counters - self._reported
         if not delta:
             return None
@@ -273,8 +284,19 @@ class PykvManager(OffloadingManager):
             stats.increase_counter(name, value)
         return stats
 
+    def _take_evictor_counters(self) -> None:
+        if self.evictor is not None:
+            for name, value in self.evictor.stats().items():  # the evictor's totals (its own thread counts them)
+                self.counters[name] = value
+
+    def close(self) -> None:
+        """Stop the evictor's thread (a daemon: an engine that exits without calling this loses nothing)."""
+        if self.evictor is not None:
+            self.evictor.close()
+
     def _write_stats(self) -> None:
         if not self._stats_file.enabled:
             return
+        self._take_evictor_counters()
         self._stats_file.write({**self.counters, SchedulerCounter.DRAM_ENTRIES: len(self.residency),
                                 SchedulerCounter.PENDING_STORES: self.residency.pending_stores})

@@ -64,6 +64,13 @@ def _duration(value: Any, key: str) -> float:
     return parse_duration(value if isinstance(value, (int, float, str)) else str(value), field=f"{PREFIX}.{key}")
 
 
+def _interval(value: Any, key: str) -> float:
+    seconds = _duration(value, key)
+    if seconds < 0.1:
+        raise InputError(f"{PREFIX}.{key}: expected a duration of at least 0.1s, got {value!r}")
+    return seconds
+
+
 def _positive_int(maximum: int) -> Callable[[Any, str], int]:
     """A parser of integers in 1..``maximum`` (a bound so no key can ask for unbounded resources)."""
     def parse(value: Any, key: str) -> int:
@@ -186,6 +193,13 @@ class PykvConfig:
                                "the reads.", "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
+    max_tree_bytes: int = _key(_size, 0, "Keep the tree under this size while serving (per device with `roots`): "
+                               "a background thread evicts least-recently-used blocks down to 90 % of it, one "
+                               "engine at a time; 0: no limit.", "size")
+    evict_interval: float = _key(_interval, "10s", "With max_tree_bytes: how often the tree's size is checked (also "
+                                 "after this engine stored 5 % of the limit).", "duration")
+    evict_min_age: float = _key(_duration, "60s", "With max_tree_bytes: blocks published more recently are never "
+                                "evicted.", "duration")
     file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
     dir_mode: int = _key(_mode, "0700", "Permission bits of directories pykv creates.", "octal")
     breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "

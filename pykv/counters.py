@@ -65,6 +65,17 @@ class Metric(_Documented):
     PRELOAD_BLOCKS = ("pykv:preload_blocks",
         "Storage blocks named in those read-ahead plans, per request (the workers read a block "
         "that several waiting requests share once).")
+    STORES_OVER_LIMIT = ("pykv:stores_over_limit",
+        "Storage blocks not stored because the tree stayed over max_tree_bytes after an eviction round "
+        "(its blocks younger than evict_min_age).")
+    EVICT_ROUNDS = ("pykv:evict_rounds",
+        "Eviction rounds this engine ran under a device's lease (a scan; rounds that found the device "
+        "within max_tree_bytes included).")
+    EVICTED_BLOCKS = "pykv:evicted_blocks", "Storage blocks this engine's eviction rounds deleted."
+    EVICTED_BYTES = "pykv:evicted_bytes", "Bytes those blocks occupied."
+    EVICT_LEASE_SKIPS = ("pykv:evict_lease_skips",
+        "Eviction rounds skipped because another engine held the device's eviction lease.")
+    EVICT_ERRORS = "pykv:evict_errors", "Eviction rounds that failed (logged; tried again at the next check)."
 
 
 METRIC_DOCS = {metric: metric.doc for metric in Metric}

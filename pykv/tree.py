@@ -3,7 +3,7 @@
 Layout::
 
     <root>/pykv-tree.json                   marks a pykv tree
-    <root>/.pykv/                           catalog, quarantine, gc state (never on the hot path)
+    <root>/.pykv/                           catalog, quarantine, gc state, eviction lease (never on the hot path)
     <root>/<namespace>/namespace.json       the namespace, for people
     <root>/<namespace>/<aa>/<bb>/<key>.kv   one storage block (``aa``/``bb``: first hex digits of key)
 
@@ -45,6 +45,7 @@ STATE_DIR = ".pykv"
 QUARANTINE_DIR = "quarantine"
 NAMESPACE_FILE = "namespace.json"
 GC_STATE_NAME = "gc.json"
+LEASE_NAME = "evict.lease"  # in STATE_DIR: who evicts now (``pykv.maintenance.lease``)
 PROBE_NAME = "pykv-direct-probe"  # the O_DIRECT probe's file at the root (``pykv.io.probe``)
 BLOCK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp."
@@ -53,7 +54,7 @@ ROOT_EXEMPT = frozenset({"lost+found"})
 #: The config key an engine's root comes from (named when a root is refused).
 ROOT_KEY = "kv_connector_extra_config.root"
 _HEX = re.compile(r"^[0-9a-f]+\Z")
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
 def is_hex(name: str) -> bool:
@@ -69,7 +70,7 @@ def is_temp_name(name: str) -> bool:
 def temp_name(base: str) -> str:
     """A unique temp name for a file published as ``base`` (host, pid, random): the one spelling
     of every temp pykv makes, so ``fsck`` recognises what a killed writer left."""
-    return f"{base}{TEMP_INFIX}{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+    return f"{base}{TEMP_INFIX}{HOST}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
 def is_temp_of(name: str, bases: tuple[str, ...]) -> bool:
@@ -137,7 +138,7 @@ class KVTree:
                 _refuse_if_occupied(tree.root, field)
             from pykv import __version__
             content = json.dumps({"format_version": FORMAT_VERSION, "created_by": f"pykv {__version__}",
-                                  "created_on": _HOST, "created_at": time.time(),
+                                  "created_on": HOST, "created_at": time.time(),
                                   "tree_id": secrets.token_hex(8)}, indent=2).encode()
             temp = tree.root / temp_name(MARKER_NAME)
             write_small(temp, content, tree.options.file_mode)
@@ -345,6 +346,18 @@ def write_small(path: Path | str, content: bytes, mode: int, *, dir_fd: int | No
         raise
     os.close(fd)
 
+
+def replace_small(name: str, content: bytes, mode: int, *, dir_fd: int) -> None:
+    """Replace ``name`` in the directory ``dir_fd`` atomically with ``content`` (a synced temp beside
+    it, renamed over it); the temp is removed again when either step fails (a full disk)."""
+    temp = temp_name(name)
+    write_small(temp, content, mode, dir_fd=dir_fd)
+    try:
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+        raise
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -21,6 +21,11 @@ def test_defaults_and_written_forms():
     assert PykvConfig.from_extra_config({"root": "/t"}).staging_bytes is None  # auto
     assert PykvConfig.from_extra_config({"root": "/t"}).breakeven_margin == 0.05
     assert PykvConfig.from_extra_config({"root": "/t", "breakeven_margin": "0"}).breakeven_margin == 0.0
+    limited = PykvConfig.from_extra_config({"root": "/t", "max_tree_bytes": "500G", "evict_interval": "2s",
+                                            "evict_min_age": "0"})
+    assert (limited.max_tree_bytes, limited.evict_interval, limited.evict_min_age) == (500 << 30, 2.0, 0.0)
+    default = PykvConfig.from_extra_config({"root": "/t"})
+    assert (default.max_tree_bytes, default.evict_interval, default.evict_min_age) == (0, 10.0, 60.0)  # off
 
 
 def test_vllm_keys_are_ignored():
@@ -33,7 +38,8 @@ def test_vllm_keys_are_ignored():
     ("io_depth", 0), ("io_depth", "many"), ("io_depth", True), ("staging_bytes", "lots"), ("io_engine", "aio"),
     ("dram_policy", "mru"), ("verify", "none"), ("fsync", "maybe"), ("file_mode", "0999"), ("bogus", 1),
     ("store_retry_interval", "soon"), ("breakeven_margin", -0.1), ("breakeven_margin", "some"),
-    ("breakeven_margin", True),
+    ("breakeven_margin", True), ("max_tree_bytes", "-1G"), ("max_tree_bytes", "big"), ("evict_interval", "0s"),
+    ("evict_interval", "often"), ("evict_min_age", "-5"),
 ])
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(InputError, match=rf"kv_connector_extra_config\.{key}: "):

@@ -252,6 +252,41 @@ def test_store_failure_pauses_stores_and_leaves_no_partial_files(rig, tmp_path):
     assert not [n for n in names if ".tmp." in n]
 
 
+def test_the_manager_evicts_and_stores_nothing_while_eviction_is_behind(rig, tmp_path):
+    from treefactory import BLOCK_SIZE, add_block, key, set_mtime
+
+    from pykv.counters import Metric
+    from pykv.tree import KVTree
+
+    manager, worker, kv = rig(max_tree_bytes=8 * BLOCK_SIZE, evict_interval="1h", evict_min_age="1h")
+    try:
+        manager.evictor.close()  # its thread, started by the manager: this test runs the rounds itself
+        ctx = ReqContext("r")
+        tree = KVTree.open(tmp_path / "tree")
+        young = [add_block(tree, key(i), published_ago=5) for i in range(12)]  # another engine's fresh blocks
+        manager.evictor.run_once()
+        assert manager.evictor.behind and all(p.exists() for p in young)  # too young to evict
+        assert manager.prepare_store(keys(2), ctx).keys_to_store == []  # as on a full disk: skipped, counted
+        assert manager.counters[Metric.STORES_OVER_LIMIT] == 2
+        for p in young:
+            set_mtime(p, 7200)
+        manager.evictor.run_once()
+        assert not manager.evictor.behind and sum(p.exists() for p in young) == 7  # low water: 7.2 blocks
+        ks = keys(2)
+        out = manager.prepare_store(ks, ctx)
+        assert out.keys_to_store == ks
+        worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), out.store_spec)
+        run(worker, 1)
+        manager.complete_store(ks, ctx)  # tells the evictor what the tree grew by (at most)
+        assert manager.evictor._stored == 2 * manager._block_bytes >= manager.evictor.policy.trigger_bytes
+        exported = manager.get_stats().data["data"]  # what vLLM puts on /metrics
+        assert exported[Metric.EVICTED_BLOCKS] == {(): 5} and exported[Metric.EVICT_ROUNDS] == {(): 2}
+        assert exported[Metric.EVICTED_BYTES] == {(): 5 * BLOCK_SIZE}
+    finally:
+        manager.close()
+    assert rig()[0].evictor is None  # no max_tree_bytes: no evictor, no thread
+
+
 def _waiter(worker: PykvWorker, job_ids: set[int]):
     import threading
     thread = threading.Thread(target=worker.wait, args=(job_ids,), daemon=True)

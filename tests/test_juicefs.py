@@ -287,6 +287,76 @@ def test_gc_and_fsck_from_a_third_client_while_two_write(volume):
         assert cli("fsck", tree.root).exit_code == 0
 
 
+# -- the eviction lease across clients ------------------------------------------------------------
+def contend_for_lease(root: str, holder: str, start, results) -> None:
+    """One engine on one client: try to take the tree's eviction lease once, keep it (no release)."""
+    try:
+        from pykv.maintenance.lease import Lease
+        lease = Lease(KVTree.open(root), holder, ttl_s=30)
+        start.wait(timeout=60)
+        results.put((holder, lease.acquire(), ""))
+    except Exception:  # noqa: BLE001
+        results.put((holder, False, traceback.format_exc()))
+
+
+def settled_lease_holder(tree: KVTree) -> str | None:
+    """The lease's holder as ``tree``'s client sees it once its caches (1 s) have expired."""
+    from pykv.maintenance.lease import read_lease
+    time.sleep(1.5)
+    lease = read_lease(tree)
+    return None if lease is None else lease.holder
+
+
+def test_the_eviction_lease_has_one_holder_across_clients_and_a_stale_one_is_taken_over(volume):
+    from pykv.maintenance.lease import Lease
+    trees = new_tree(volume, "leased")
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(3), ctx.Queue()
+    engines = [ctx.Process(target=contend_for_lease, args=(str(trees[i].root), f"client{i}", start, results))
+               for i in range(3)]
+    for process in engines:
+        process.start()
+    try:
+        reports = [results.get(timeout=120) for _ in engines]
+    finally:
+        for process in engines:
+            process.join(timeout=60)
+    assert [error for _, _, error in reports] == ["", "", ""]
+    [winner] = [holder for holder, won, _ in reports if won]  # link(2) across clients: one winner
+    assert {settled_lease_holder(tree) for tree in trees} == {winner}
+    late = Lease(trees[2], "late", ttl_s=30, clock=lambda: time.time() + 60)  # the winner's lease has expired
+    assert late.acquire()
+    assert {settled_lease_holder(tree) for tree in trees} == {"late"}
+    late.release()
+    assert {settled_lease_holder(tree) for tree in trees} == {None}
+
+
+def test_an_engine_on_one_client_evicts_while_another_clients_lease_makes_it_wait(volume):
+    from pykv.deviceset import DeviceSet
+    from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
+    from pykv.maintenance.lease import Lease
+    trees = new_tree(volume, "evicted")
+    for i in range(24):
+        key = key_of(f"evict-{i}")
+        write_block(trees[0], NS.id, key, *block_of(key))
+    total = sum(e.size for e in Scan.of(trees[0]).of_kind(Kind.BLOCK))
+    limit = total // 2
+    holder = Lease(trees[0], "client0", ttl_s=30)
+    assert holder.acquire()
+    evictor = TreeEvictor(DeviceSet([trees[1]]), EvictionPolicy(limit, 0.0, 3600.0))
+    time.sleep(1.5)  # client 1's caches may still miss the fresh lease for a second: the test is of the lease
+    assert evictor.run_once() == [None]  # client 0 holds the lease: client 1 skips, deletes nothing
+    assert sum(e.size for e in Scan.of(trees[2]).of_kind(Kind.BLOCK)) == total
+    holder.release()
+    time.sleep(1.5)
+    [result] = evictor.run_once()
+    assert result is not None and result.freed_files > 0 and result.after_bytes <= EvictionPolicy(limit, 0, 1).low_water
+    time.sleep(1.5)
+    for tree in trees:  # every client sees the tree under the limit, clean
+        assert sum(e.size for e in Scan.of(tree).of_kind(Kind.BLOCK)) <= limit
+        assert cli("fsck", tree.root).exit_code == 0
+
+
 # -- pykv doctor ---------------------------------------------------------------------------------
 def test_doctor_on_a_juicefs_tree(volume):
     trees = new_tree(volume, "doctored")

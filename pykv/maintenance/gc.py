@@ -33,7 +33,6 @@ device records the run in its ``gc.json``. Blocks the set cannot reach
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import heapq
 import json
@@ -54,7 +53,7 @@ from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_ben
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.placement import device_of_path, device_shares
 from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
-from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, write_small
+from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, replace_small
 from pykv.units import MAX_DURATION_S, MAX_SIZE
 
 log = logging.getLogger(__name__)
@@ -234,8 +233,16 @@ def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
     check_limits(max_size, min_age_s)  # before the scan creates .pykv/catalog.db
     started = time.monotonic()
     scan = scan_tree(tree, use_catalog=use_catalog)
+    return collect_scanned(tree, scan.entries, max_size, min_age_s=min_age_s, dry_run=dry_run, started=started)
+
+
+def collect_scanned(tree: KVTree, entries: Iterable[Entry], max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
+                    dry_run: bool = False, started: float | None = None) -> GcResult:
+    """Plan and collect ``entries`` (a scan of ``tree``) down to ``max_size``; record the outcome in
+    ``gc.json`` unless ``dry_run``. ``started``: the ``time.monotonic()`` the scan began at."""
+    started = time.monotonic() if started is None else started
     with collector_paused():
-        result = collect(plan_gc(scan.entries, max_size, min_age_s=min_age_s), dry_run=dry_run, root=tree.root)
+        result = collect(plan_gc(entries, max_size, min_age_s=min_age_s), dry_run=dry_run, root=tree.root)
     result.finished_at = time.time()
     result.seconds = time.monotonic() - started
     if not dry_run:
@@ -281,15 +288,8 @@ def record_gc(tree: KVTree, result: GcResult) -> None:
     state dir's fd; the temp is removed again when either step fails (a full disk)."""
     content = json.dumps(result.summary(), indent=2).encode()
     with directory_fd(tree.root, STATE_DIR, create_mode=tree.options.dir_mode) as fd:
-        temp = tree.temp_path(Path(GC_STATE_NAME)).name
         _refuse_foreign_state(fd, tree)
-        write_small(temp, content, tree.options.file_mode, dir_fd=fd)
-        try:
-            os.replace(temp, GC_STATE_NAME, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=fd)
-            raise
+        replace_small(GC_STATE_NAME, content, tree.options.file_mode, dir_fd=fd)
 
 
 def _refuse_foreign_state(state_fd: int, tree: KVTree) -> None:

@@ -12,8 +12,8 @@ place                  allowed entries
 =====================  ==============================================================
 ``<root>``             the marker, its temps, the O_DIRECT probe's temps, ``.pykv/``,
                        namespace dirs (hex names)
-``<root>/.pykv``       ``catalog.db`` (and SQLite's journals), ``gc.json`` and its temps,
-                       ``quarantine/`` (not walked: what is in it was moved there)
+``<root>/.pykv``       ``catalog.db`` (and SQLite's journals), ``gc.json``, ``evict.lease``,
+                       their temps, ``quarantine/`` (not walked: what is in it was moved there)
 ``<ns>``               ``namespace.json``, its temps, shard dirs (2 hex digits)
 ``<ns>/<aa>``          shard dirs (2 hex digits)
 ``<ns>/<aa>/<bb>``     blocks ``<hex>.kv`` (regular files) and their temps
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from pykv.tree import (BLOCK_SUFFIX, GC_STATE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME, QUARANTINE_DIR, ROOT_EXEMPT,
-                       STATE_DIR, KVTree, is_hex, is_temp_name, is_temp_of)
+from pykv.tree import (BLOCK_SUFFIX, GC_STATE_NAME, LEASE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME, QUARANTINE_DIR,
+                       ROOT_EXEMPT, STATE_DIR, KVTree, is_hex, is_temp_name, is_temp_of)
 
 
 
@@ -75,13 +75,14 @@ class LeafDir(NamedTuple):
 
 
 #: Names in ``.pykv`` that pykv (or SQLite, for the catalog) writes.
-STATE_FILES = frozenset({"catalog.db", "catalog.db-journal", "catalog.db-wal", "catalog.db-shm", GC_STATE_NAME})
+STATE_FILES = frozenset({"catalog.db", "catalog.db-journal", "catalog.db-wal", "catalog.db-shm", GC_STATE_NAME,
+                         LEASE_NAME})
 
 
 def is_metadata_temp(name: str) -> bool:
-    """True for a temp left while publishing the marker, a ``namespace.json`` or ``gc.json``,
-    or by the O_DIRECT probe."""
-    return is_temp_of(name, (MARKER_NAME, NAMESPACE_FILE, GC_STATE_NAME, PROBE_NAME))
+    """True for a temp left while publishing the marker, a ``namespace.json``, ``gc.json`` or the
+    eviction lease, or by the O_DIRECT probe."""
+    return is_temp_of(name, (MARKER_NAME, NAMESPACE_FILE, GC_STATE_NAME, LEASE_NAME, PROBE_NAME))
 
 
 def allocated_size(st: os.stat_result) -> int:

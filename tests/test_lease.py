@@ -1,0 +1,174 @@
+"""The eviction lease on a real tree: one holder at a time, stale holders taken over, foreign files left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pykv.maintenance.lease import Lease, LeaseRefused, read_lease
+from pykv.maintenance.scan import Kind, Scan
+from pykv.tree import LEASE_NAME, KVTree, is_temp_of
+
+TTL = 30.0
+
+
+class Clock:
+    """A settable wall clock."""
+
+    def __init__(self, now: float | None = None) -> None:
+        self.now = time.time() if now is None else now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def tree(tmp_path) -> KVTree:
+    return KVTree.create(tmp_path / "tree")
+
+
+def lease_path(tree: KVTree):
+    return tree.state_dir / LEASE_NAME
+
+
+def leftovers(tree: KVTree) -> list[str]:
+    """What the lease left in ``.pykv`` besides the lease itself (temps of either)."""
+    return sorted(n for n in os.listdir(tree.state_dir) if n != LEASE_NAME and is_temp_of(n, (LEASE_NAME,)))
+
+
+def test_acquire_renew_release(tree):
+    clock = Clock()
+    a, b = Lease(tree, "a", ttl_s=TTL, clock=clock), Lease(tree, "b", ttl_s=TTL, clock=clock)
+    assert a.acquire() and a.held
+    assert read_lease(tree).holder == "a"
+    assert not b.acquire() and not b.held
+    before = read_lease(tree).expires_at
+    clock.now += 5
+    assert a.renew() and read_lease(tree).expires_at == before + 5
+    assert a.acquire()  # acquiring a lease one holds renews it
+    a.release()
+    assert not lease_path(tree).exists() and not a.held
+    assert b.acquire() and read_lease(tree).holder == "b"
+    assert leftovers(tree) == []
+
+
+def test_exactly_one_of_many_contenders_wins_a_free_lease(tree):
+    contenders = [Lease(tree, f"h{i}", ttl_s=TTL) for i in range(8)]
+    start, won = threading.Barrier(len(contenders)), []
+
+    def contend(lease: Lease) -> None:
+        start.wait()
+        if lease.acquire():
+            won.append(lease.holder)
+
+    threads = [threading.Thread(target=contend, args=(lease,)) for lease in contenders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and read_lease(tree).holder == won[0]
+    assert leftovers(tree) == []
+
+
+def test_a_stale_lease_is_taken_over_and_its_holder_finds_it_lost(tree):
+    clock_a, clock_b = Clock(), Clock()
+    a, b = Lease(tree, "a", ttl_s=TTL, clock=clock_a), Lease(tree, "b", ttl_s=TTL, clock=clock_b)
+    assert a.acquire()
+    clock_b.now += TTL - 1
+    assert not b.acquire()  # not yet expired
+    clock_b.now += 2
+    assert b.acquire() and read_lease(tree).holder == "b"
+    assert not a.renew() and not a.held  # a (stalled) learns it lost the lease
+    a.release()  # and its release never removes b's
+    assert read_lease(tree).holder == "b"
+    assert leftovers(tree) == []
+
+
+def test_a_renew_near_or_past_its_expiry_never_overwrites_a_takeover(tree):
+    clock_a, clock_b = Clock(), Clock()
+    a, b = Lease(tree, "a", ttl_s=TTL, clock=clock_a), Lease(tree, "b", ttl_s=TTL, clock=clock_b)
+    assert a.acquire()
+    clock_a.now += TTL + 5  # a stalled past its expiry, and nobody took the lease: it renews
+    assert a.renew() and read_lease(tree).holder == "a" and read_lease(tree).expires_at == clock_a.now + TTL
+    clock_a.now += TTL - 0.5  # half a second before its expiry: renewed the takeover's way
+    assert a.renew() and read_lease(tree).expires_at == clock_a.now + TTL
+    clock_b.now = clock_a.now + TTL + 1
+    assert b.acquire()  # a stalls past its expiry again, and b takes over
+    clock_a.now += TTL + 2
+    assert not a.renew() and read_lease(tree).holder == "b"
+    assert leftovers(tree) == []
+
+
+def test_a_crashed_holder_is_taken_over_after_its_expiry(tree):
+    code = ("import sys, os; from pykv.tree import KVTree; from pykv.maintenance.lease import Lease\n"
+            f"assert Lease(KVTree.open({str(tree.root)!r}), 'dead', ttl_s={TTL}).acquire()\n"
+            "os._exit(0)  # no release: a crash")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert read_lease(tree).holder == "dead"
+    assert not Lease(tree, "b", ttl_s=TTL).acquire()
+    later = Clock(time.time() + TTL + 1)
+    assert Lease(tree, "b", ttl_s=TTL, clock=later).acquire() and read_lease(tree).holder == "b"
+
+
+def test_contenders_for_a_stale_lease_end_with_one_holder(tree):
+    """Several engines take over one stale lease at once: the file names one of those that won, and
+    if the residual race let two believe they won, the other one's next renew finds it lost."""
+    stale = Clock(time.time() - 10 * TTL)
+    assert Lease(tree, "dead", ttl_s=TTL, clock=stale).acquire()
+    contenders = [Lease(tree, f"h{i}", ttl_s=TTL) for i in range(8)]
+    start, won = threading.Barrier(len(contenders)), []
+
+    def contend(lease: Lease) -> None:
+        start.wait()
+        if lease.acquire():
+            won.append(lease)
+
+    threads = [threading.Thread(target=contend, args=(lease,)) for lease in contenders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    holder = read_lease(tree).holder
+    assert won and holder in {lease.holder for lease in won}
+    assert [lease.holder for lease in won if lease.renew()] == [holder]
+    assert leftovers(tree) == []
+
+
+def test_a_foreign_entry_at_the_lease_name_is_refused_and_left_alone(tree, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    tree.ensure_state_dir()
+    lease_path(tree).symlink_to(victim)
+    with pytest.raises(LeaseRefused, match="not a lease pykv wrote"):
+        Lease(tree, "a", ttl_s=TTL).acquire()
+    assert victim.read_text() == "keep" and lease_path(tree).is_symlink()
+    lease_path(tree).unlink()
+    other = tmp_path / "other"
+    other.write_text("{}")
+    os.link(other, lease_path(tree))  # a hard link from outside: not ours either
+    with pytest.raises(LeaseRefused):
+        Lease(tree, "a", ttl_s=TTL).acquire()
+    assert other.read_text() == "{}"
+
+
+def test_a_file_that_is_no_lease_expires_by_its_mtime(tree):
+    tree.ensure_state_dir()
+    lease_path(tree).write_bytes(b"\x00garbage")
+    assert not Lease(tree, "a", ttl_s=TTL).acquire()  # fresh: someone may be writing leases we cannot read
+    old = time.time() - 3600
+    os.utime(lease_path(tree), (old, old))
+    assert Lease(tree, "a", ttl_s=TTL).acquire() and json.loads(lease_path(tree).read_bytes())["holder"] == "a"
+
+
+def test_scans_see_the_lease_and_its_temps_as_pykvs(tree):
+    assert Lease(tree, "a", ttl_s=TTL).acquire()
+    (tree.state_dir / f"{LEASE_NAME}.tmp.host.1.abcd").write_bytes(b"")  # a killed holder's temp
+    kinds = {os.path.basename(e.path): e.kind for e in Scan.of(tree).entries}
+    assert LEASE_NAME not in kinds  # pykv's own state file: skipped like gc.json
+    assert kinds[f"{LEASE_NAME}.tmp.host.1.abcd"] is Kind.TEMP  # fsck removes it, never reports it foreign
