@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
 from reliability.engines import (  # noqa: E402
-    REFERENCE_ENGINE, SamePath, finish, gen, ktc, reference_steps, settle, snap, start, tiny_model_work, tokens)
+    REFERENCE_ENGINE, SamePath, finish, gen, ktc, log_errors, reference_steps, settle, snap, start, tiny_model_work,
+    tokens)
 
 CHUNK = 256  # tokens per storage block (8 engine blocks of 32)
 P1, P2 = tokens(71, 790), tokens(72, 790)  # three whole storage blocks each
@@ -63,7 +64,7 @@ def runs(tmp_path_factory) -> dict:
     work = tiny_model_work(tmp_path_factory, "tp2")
     root = work / "tree"
     config = ktc(root, dram_bytes="64M")
-    out = {"root": root}
+    out = {"root": root, "work": work}
     out["reference"] = SamePath(run(work, "reference", None, reference_steps([("P1", P1), ("P1", P1), ("P2", P2)]),
                                     {**REFERENCE_ENGINE, **TP2}))
     out["W"] = run(work, "W", config, [gen("w1", P1), settle(work, "W"), snap(work, "W", "w1-stats"),
@@ -106,3 +107,8 @@ def test_a_tp1_tree_is_never_read_by_tp2_and_the_other_way_round(runs):
     assert runs["after_S"] == {(2, 0): 3, (2, 1): 3, (1, 0): 6}  # ... and wrote its own P1 and P2 blocks
     assert r["r2"][0]["num_cached_tokens"] == 0 and r["r2"][0]["tokens"] == reference.cold("P2")
     assert sum(c.get("load_blocks_disk", 0) for c in workers(r, "r")) == 6  # P1's 3 blocks per rank only
+
+
+def test_no_engine_logged_an_error(runs):
+    for name in ("reference", "W", "S", "R"):
+        assert not log_errors(runs["work"], name), name
