@@ -116,10 +116,3 @@ class BlockLayout:
             out.append(position)
             position += ref.page_bytes * self.blocks_per_chunk
         return out
-
-
-def early_release_enabled(config: OffloadingConfig) -> bool:
-    """Whether a store through DRAM slots ends for vLLM once its blocks are in their slots (the
-    files are written afterwards, the slots pinned until then). One worker only: with several,
-    the manager would have to hear every worker's end of the write before reusing a slot."""
-    return config.parallel.world_size == 1

@@ -1,14 +1,18 @@
 """``PykvManager``: the scheduler-side half of pykv (vLLM's ``OffloadingManager``).
 
 A translator, called from the engine core's scheduler loop only (one thread): it
-answers vLLM's lookups from the DRAM tier and the file tree (rank 0's namespace),
+answers vLLM's lookups from the DRAM tier and the file tree (every rank's namespace),
 turns ``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s
 into events of ``pykv.residency.DramResidency`` (the pure ledger that decides every
 DRAM slot assignment, so the worker processes need no shared state), and hands
 the workers plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``.
 
-Truth about the disk is the disk: a key is a disk hit only when its final file
-exists, which happens only after a worker published it. Failures come back from
+Truth about the disk is the disk: a key is a disk hit only when the final file of
+every worker (each rank writes its own shard under its own namespace) exists, which
+happens only after each of them published it, so a hit never sends a rank to a file
+its store failed to write. With several workers, vLLM merges their reports into one
+per step (``PykvWorkerMetadata.aggregate``); each write end names its rank, and a DRAM
+slot is reused only after every rank's end arrived. Failures come back from
 the workers no later than the job's completion (``on_worker_report`` is called
 before vLLM's ``complete_*`` of the same step), so a key whose load failed is
 forgotten before vLLM retries the request and the retry misses instead of looping.
@@ -42,7 +46,7 @@ from pykv.connector.compat import (
     RequestOffloadingContext,
 )
 from pykv.config import PykvConfig
-from pykv.connector.layout import early_release_enabled, namespace_for, slot_bytes, slot_counts
+from pykv.connector.layout import namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,9 @@ class PykvManager(OffloadingManager):
 
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
-        self.namespace = namespace_for(config, rank=0)
+        # each rank's KV shard lives in its own namespace; rank 0's names the engine (gate, logs)
+        self.rank_namespaces = tuple(namespace_for(config, rank=r) for r in range(max(config.parallel.world_size, 1)))
+        self.namespace = self.rank_namespaces[0]
         self.devices = open_devices(pykv)
         self.medium = open_store_medium(self.devices)  # lookups and access stamps only
         try:
@@ -70,7 +76,8 @@ class PykvManager(OffloadingManager):
         except OSError as exc:  # a read-only tree can still serve loads
             log.warning("pykv: cannot prepare namespace %s in %s (%s)", self.namespace.id, _roots(pykv), exc)
         _, dram_slots = slot_counts(pykv, config)
-        self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=early_release_enabled(config))
+        self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=True,
+                                       workers=len(self.rank_namespaces))
         self.store_pause = StorePause(pykv.store_retry_interval)
         self._load_tiers: tuple[str | None, dict[bytes, Tier]] = (None, {})  # the last prepare_load's tiers
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
@@ -114,7 +121,11 @@ class PykvManager(OffloadingManager):
         """Where a load of ``key`` would come from now (None: a miss)."""
         if self.residency.slot_of(key) is not None:
             return Tier.DRAM
-        return Tier.DISK if self.medium.contains(self.namespace.id, key) else None
+        return Tier.DISK if self.on_disk(key) else None
+
+    def on_disk(self, key: bytes) -> bool:
+        """Whether every rank's file of ``key`` is published (one stat per rank)."""
+        return all(self.medium.contains(ns.id, key) for ns in self.rank_namespaces)
 
     def gate_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
         """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
@@ -148,7 +159,8 @@ class PykvManager(OffloadingManager):
                 self.counters[Metric.HITS_DRAM] += 1
             else:
                 tiers[key] = Tier.DISK
-                self.medium.touch(self.medium.locate(self.namespace.id, key))
+                for ns in self.rank_namespaces:
+                    self.medium.touch(self.medium.locate(ns.id, key))
                 self.counters[Metric.HITS_DISK] += 1
                 slot = _slot_or_none(self.residency.promotion_slot(key))
             slots.append(slot)
@@ -188,7 +200,7 @@ class PykvManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         to_store, slots = [], []
         for key in keys:
-            if self.residency.holds(key) or self.medium.contains(self.namespace.id, key):
+            if self.residency.holds(key) or self.on_disk(key):
                 # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
                 self.counters[Metric.STORE_SKIPPED] += 1
                 continue
@@ -199,7 +211,7 @@ class PykvManager(OffloadingManager):
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
-        """DRAM entries become hits; with early release a slot stays pinned until its write ends."""
+        """DRAM entries become hits; a slot stays pinned until every worker's write from it ended."""
         self.residency.store_completed(keys, success)
         if self.evictor is not None and success:
             self.evictor.note_stored(len(keys) * self._block_bytes)
@@ -211,8 +223,8 @@ class PykvManager(OffloadingManager):
         for key in report.failed_loads:
             self.residency.load_failed(key)
             self.counters[Metric.LOAD_FAILURES] += 1
-        for key in report.stores_ended:
-            self.residency.write_ended(key)
+        for key, rank in report.stores_ended:
+            self.residency.write_ended(key, rank)
         for key, dram_ok in report.failed_stores:
             self.counters[Metric.STORE_FAILURES] += 1
             self.residency.store_failed(key, dram_ok)

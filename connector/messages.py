@@ -55,16 +55,18 @@ class WorkerReport:
     ``failed_stores``: (key, dram_ok) for stores that did not reach disk; ``dram_ok`` says
     the DRAM slot nevertheless holds the block. ``store_error``: the failure of a store
     the medium refused (disk full, read-only), which pauses stores for a while.
-    ``stores_ended``: keys stored through a DRAM slot whose write has ended (published
-    or failed), so the slot may be reused; sent by workers that release such stores
-    to vLLM as soon as the blocks are in their slots (early release).
+    ``stores_ended``: (key, rank) of each block stored through a DRAM slot whose write by
+    worker ``rank`` has ended (published or failed), sent for every such block, whatever
+    became of its store. Workers release such stores to vLLM as soon as the blocks are in
+    their slots (early release), so the scheduler frees a slot only once every rank's end
+    has arrived (``pykv.residency.DramResidency``). Merged reports keep every rank's entries.
     """
 
     def __init__(self) -> None:
         self.failed_loads: list[bytes] = []
         self.failed_stores: list[tuple[bytes, bool]] = []
         self.store_error: BlockFailure | None = None
-        self.stores_ended: list[bytes] = []
+        self.stores_ended: list[tuple[bytes, int]] = []
 
     def __bool__(self) -> bool:
         return bool(self.failed_loads or self.failed_stores or self.store_error or self.stores_ended)

@@ -40,7 +40,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.layout import BlockLayout, early_release_enabled, namespace_for, slot_bytes, slot_counts
+from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class PykvWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._stats_file = CounterFile(f"worker{self.rank}")
         self._stats_lock = threading.Lock()
-        self.early_release = early_release_enabled(config)
+        self.early_release = True  # whatever the world size: the scheduler counts every rank's write ends
         shape = EngineShape(namespace_for(config, rank=self.rank), slot_bytes(config), transient, dram, self.rank,
                             self.early_release)
         self.store = BlockStore(pykv, shape, self, register=cuda_host_register if cuda else None,
@@ -121,13 +121,13 @@ class PykvWorker(OffloadingWorker):
             chunks = self._chunks(src_spec, dst_spec.keys, dst_spec.dram_slots, (), store=True)
         except ValueError as exc:
             log.error("pykv: store job %d: %s", job_id, exc)
-            self._finish_now(job_id, failed_stores=[(k, False) for k in dst_spec.keys])
+            self._refuse_store(job_id, dst_spec)
             return True
         self._open(job_id, chunks)
         if not self.store.submit_store(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)]):
             with self._lock:
                 del self._jobs[job_id]
-            self._finish_now(job_id, failed_stores=[(c.key, False) for c in chunks])  # stores are paused
+            self._refuse_store(job_id, dst_spec)  # stores are paused
         return True
 
     # -- preloads (the connector hands them over from the scheduler's metadata) ----------------
@@ -228,10 +228,19 @@ class PykvWorker(OffloadingWorker):
         with self._lock:
             self._jobs[job_id] = _Job(chunks, ready=self.copier.mark_submitted())
 
+    def _refuse_store(self, job_id: int, spec: PykvStoreSpec) -> None:
+        """A store this worker does not run: every block failed, and this rank is done with their
+        DRAM slots (the scheduler frees a slot once every rank is)."""
+        ended = [(k, self.rank) for k, slot in zip(spec.keys, spec.dram_slots) if slot != NO_SLOT]
+        self._finish_now(job_id, failed_stores=[(k, False) for k in spec.keys],
+                         stores_ended=ended if self.early_release else [])
+
     def _finish_now(self, job_id: int, *, load_failed_ids: list[int] = (), failed_keys: list[bytes] = (),
-                    failed_stores: list[tuple[bytes, bool]] = ()) -> None:
+                    failed_stores: list[tuple[bytes, bool]] = (),
+                    stores_ended: list[tuple[bytes, int]] = ()) -> None:
         report = WorkerReport()
         report.failed_loads, report.failed_stores = list(failed_keys), list(failed_stores)
+        report.stores_ended = list(stores_ended)
         with self._lock:
             self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
 
@@ -266,7 +275,7 @@ class PykvWorker(OffloadingWorker):
         else:
             report.failed_stores = [(end.keys[i], dram_ok) for i, dram_ok in end.failed_stores]
             report.store_error = end.pause
-            report.stores_ended = [end.keys[i] for i in end.stores_ended]
+            report.stores_ended = [(end.keys[i], self.rank) for i in end.stores_ended]
         with self._lock:
             if end.released:  # vLLM has this job already: only the report is left to send
                 self._report = self._report.merge(report)

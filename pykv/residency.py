@@ -11,12 +11,16 @@ their way (a store or a promotion in flight) and *valid* once they are there; a 
 marks every transfer still using the slot. On top of that:
 
 - **Pending stores.** A key being stored is neither stored again nor promoted.
-- **Early release** (one worker): a store whose blocks all have DRAM slots ends for
-  the engine as soon as the blocks are in them; ``store_completed`` then makes them
-  hits at once, and keeps each slot pinned while the worker still writes the file
-  from it, until ``write_ended`` (either message may come first).
-- **Forgetting a key still written** (a failed load): it misses from then on and
-  keeps its slot until the write ends.
+- **Early release** (any number of workers): a store whose blocks all have DRAM slots
+  ends for the engine once every worker has the blocks in its slots; ``store_completed``
+  then makes them hits at once. Each worker then writes its own file (its rank's
+  shard) from its copy of the slot and reports the end (``write_ended``, with its
+  rank). The slot stays pinned until the engine completed the store *and* every
+  rank reported its end, in any order; a rank that reports twice counts once.
+- **A failed store**: when any worker's slot does not hold the block (``dram_ok``
+  false), the key never becomes a hit; its slot stays taken until it is free as above.
+- **Forgetting a key still used by a store** (a failed load, a failed store): it
+  misses from then on and keeps its slot until the store is over on every worker.
 - **Cache reset**: the tier is forgotten at once, but a slot that a transfer in
   flight still uses stays taken, as a miss, until ``reset_flushed`` (every job in
   flight at the reset ended) and, for a slot a file is still written from, until
@@ -64,15 +68,22 @@ class StorePause:
 
 
 class DramResidency:
-    """The DRAM tier's slots over the life of the transfers that use them; see the module docstring."""
+    """The DRAM tier's slots over the life of the transfers that use them; see the module docstring.
 
-    def __init__(self, capacity: int, policy: str = "lru", *, early_release: bool = False) -> None:
+    ``workers``: how many workers take part in each store (vLLM's world size); with early
+    release a store's slot is freed only once every one of them reported its write ended.
+    """
+
+    def __init__(self, capacity: int, policy: str = "lru", *, early_release: bool = False,
+                 workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         self.index = DramIndex(capacity, policy)
         self.early_release = early_release
+        self.workers = workers
         self._pending_stores: set[Key] = set()
-        self._writing: set[Key] = set()  # committed entries whose file a worker still writes from the slot
-        self._ended: set[Key] = set()  # writes reported ended before the store was completed
-        self._drop_when_written: set[Key] = set()  # forgotten while written: dropped when the write ends
+        self._writes: dict[Key, set[int]] = {}  # early release: slots written from -> ranks whose write ended
+        self._forgotten: set[Key] = set()  # misses whose slot a store still uses: dropped once it is free
         self._reset_fenced: set[Key] = set()  # in flight at a cache reset: dropped at reset_flushed
 
     # -- queries -------------------------------------------------------------------------------
@@ -95,10 +106,10 @@ class DramResidency:
         """Whether ``key`` is in the tier (any state) or being stored: a store of it is skipped."""
         return key in self._pending_stores or key in self.index
 
-    def writes(self) -> tuple[frozenset, frozenset]:
-        """Early-released writes: (keys whose slot a worker still writes a file from after the
-        engine has the store, keys whose write ended before the engine completed their store)."""
-        return frozenset(self._writing), frozenset(self._ended)
+    def writes(self) -> dict[Key, frozenset[int]]:
+        """Early-released stores whose slot some worker may still write a file from: key -> the
+        ranks that already reported the end of their write."""
+        return {key: frozenset(ranks) for key, ranks in self._writes.items()}
 
     # -- loads ---------------------------------------------------------------------------------
     def pin_hit(self, key: Key) -> int | None:
@@ -125,15 +136,17 @@ class DramResidency:
         self.index.touch(keys)
 
     def loads_ended(self, keys: Collection[Key]) -> None:
-        """Unpin; promotions become valid (a failed one was dropped by ``load_failed``)."""
+        """Unpin; promotions become valid (a failed one was forgotten by ``load_failed``)."""
         for key in keys:
             if self.index.entry(key) is not None and key not in self._reset_fenced:  # fenced: a pre-reset transfer's
                 self.index.unpin(key)
-                if key not in self._drop_when_written:  # forgotten while still written: stays a miss
+                if key in self._forgotten:  # stays a miss; its slot is freed once nothing uses it
+                    self._drop_if_unused(key)
+                else:
                     self.index.commit(key)
 
     def load_failed(self, key: Key) -> None:
-        """A worker could not load ``key``: forget its entry (a slot still written from stays taken)."""
+        """A worker could not load ``key``: forget its entry (its slot stays taken while in use)."""
         self._forget(key)
 
     # -- stores --------------------------------------------------------------------------------
@@ -146,76 +159,83 @@ class DramResidency:
         slot = self.index.allocate(key)
         if slot is not None:
             self.index.pin(key)
+            if self.early_release:
+                self._writes[key] = set()
         return slot
 
     def store_completed(self, keys: Collection[Key], success: bool = True) -> None:
-        """The engine completed these stores: DRAM entries become hits; with early release a
-        slot stays pinned until its write ends."""
+        """The engine completed these stores (every worker has the blocks in its slots): DRAM
+        entries become hits; with early release a slot stays pinned until every write ended."""
         for key in keys:
             self._pending_stores.discard(key)
-            if self.index.entry(key) is None:
-                self._ended.discard(key)
+            if self.index.entry(key) is None or key in self._reset_fenced:  # fenced: reset_flushed frees it
                 continue
-            if not success:
-                self.write_ended(key)
-                self.index.drop(key)
-                continue
-            self.index.commit(key)
-            if not self.early_release or key in self._ended:
-                self._ended.discard(key)
-                self.index.unpin(key)
+            if success and key not in self._forgotten:
+                self.index.commit(key)
             else:
-                self._writing.add(key)
+                self._forget(key)
+            if key not in self._writes:
+                self._release(key)
 
-    def write_ended(self, key: Key) -> None:
-        """The write from ``key``'s DRAM slot is over: unpin it (or drop it, if forgotten meanwhile)."""
-        if key in self._writing:
-            self._writing.discard(key)
-            self.index.unpin(key)
-            if key in self._drop_when_written:
-                self._drop_when_written.discard(key)
-                if key not in self._reset_fenced:
-                    self.index.drop(key)
-        elif key in self._pending_stores:  # the engine has not completed the store yet
-            self._ended.add(key)
+    def write_ended(self, key: Key, rank: int = 0) -> None:
+        """Worker ``rank``'s write from ``key``'s DRAM slot is over (published or failed); the
+        slot is released once every worker's has and the engine completed the store."""
+        ranks = self._writes.get(key)
+        if ranks is None or not 0 <= rank < self.workers:  # a stale report, or no worker of this engine
+            return
+        ranks.add(rank)
+        if len(ranks) < self.workers:
+            return
+        del self._writes[key]
+        if key not in self._pending_stores and key not in self._reset_fenced:
+            self._release(key)
 
     def store_failed(self, key: Key, dram_ok: bool) -> None:
         """A store did not reach the medium; ``dram_ok``: its DRAM slot holds the block anyway."""
-        if dram_ok:
-            return
-        if key in self._reset_fenced:
-            self._writing.discard(key)  # that store is over: its slot waits for the flush only
-        else:
+        if not dram_ok:
             self._forget(key)
 
+    def _release(self, key: Key) -> None:
+        """The store's use of the slot is over on every worker: unpin (free a forgotten entry)."""
+        self.index.unpin(key)
+        self._drop_if_unused(key)
+
     def _forget(self, key: Key) -> None:
-        """Drop ``key``'s entry; one a worker still writes from misses from now on and keeps
-        its slot until that write ends (one fenced by a reset is already a miss)."""
-        if key in self._reset_fenced:
+        """``key`` misses from now on; its slot is freed once no transfer uses it on any worker
+        (a load or a store in flight, a write) - at once when none does. A key fenced by a reset
+        is already a miss."""
+        if key in self._reset_fenced or self.index.entry(key) is None:
             return
-        if key in self._writing:
-            self.index.invalidate(key)
-            self._drop_when_written.add(key)
-        else:
+        self.index.invalidate(key)
+        self._forgotten.add(key)
+        self._drop_if_unused(key)
+
+    def _drop_if_unused(self, key: Key) -> None:
+        """Free a forgotten entry's slot once no transfer or write uses it."""
+        if key not in self._forgotten:
+            return
+        entry = self.index.entry(key)
+        if entry is None or (entry.pins == 0 and key not in self._pending_stores and key not in self._writes):
+            self._forgotten.discard(key)
             self.index.drop(key)
 
     # -- cache reset ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the tier. Slots a transfer in flight still uses stay taken (misses) until
-        ``reset_flushed``; slots a file is still written from, also until that write ends."""
+        ``reset_flushed``; slots a file is still written from, also until every write ends."""
         in_flight = set(self.index.in_use())
-        if self.early_release:  # a pending store's write may go on after the engine's job ends
-            self._writing |= {k for k in self._pending_stores if k in in_flight and k not in self._ended}
         self._reset_fenced |= in_flight
-        self.index.clear(keep=in_flight | self._writing)
-        self._drop_when_written = set(self._writing)
+        self.index.clear(keep=in_flight | set(self._writes))
+        self._forgotten = set(self._writes)
         self._pending_stores.clear()
-        self._ended.clear()
 
     def reset_flushed(self) -> None:
         """Every job in flight at the last reset ended: free the slots those jobs used, except
         slots a file is still written from."""
         fenced, self._reset_fenced = self._reset_fenced, set()
         for key in fenced:
-            if key not in self._writing:
+            if key in self._writes:  # the transfers of the reset are over: only the writes' pin is left
+                self.index.entry(key).pins = 1
+            else:
+                self._forgotten.discard(key)
                 self.index.drop(key)

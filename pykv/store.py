@@ -58,7 +58,7 @@ class EngineShape:
     transient_slots: int  # staging slots for reads, writes and preloads
     dram_slots: int = 0  # DRAM-tier slots (0: no tier)
     rank: int = 0
-    early_release: bool = False  # a store through DRAM slots ends once sealed in them (one worker only)
+    early_release: bool = False  # a store through DRAM slots ends once sealed in them (the writes go on)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ def test_slots_in_flight_at_a_reset_are_not_reused_before_the_workers_flushed(ri
     if m.early_release:  # the job ended for vLLM; the writes from its slots may still run
         assert set(m.prepare_store(chunk_keys(capacity, salt=3), ctx).store_spec.dram_slots) == {NO_SLOT}
         ended = WorkerReport()
-        ended.stores_ended = list(before)
+        ended.stores_ended = [(k, 0) for k in before]
         m.on_worker_report(ended)
     again = m.prepare_store(chunk_keys(capacity, salt=4), ctx).store_spec.dram_slots
     assert sorted(again) == sorted(stored.store_spec.dram_slots)
@@ -195,7 +195,7 @@ def test_before_033_the_connector_tells_the_manager_when_the_reset_is_flushed(ri
     c = pykv_connector(scheduler=Scheduler032(m, {4: 1}))
     c.reset_cache()
     ended = WorkerReport()
-    ended.stores_ended = list(stored.keys_to_store)
+    ended.stores_ended = [(k, 0) for k in stored.keys_to_store]
     c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PykvWorkerMetadata.wrap(None, ended)))
     assert m.dram.free_slots == 0  # job 4 not reported yet
     done = OffloadingWorkerMetadata()

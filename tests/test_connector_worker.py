@@ -375,7 +375,7 @@ def test_a_store_through_dram_is_a_hit_while_its_files_are_still_written(rig, mo
 
     backends[0].release()
     settle_stores(manager, worker, ks)
-    assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writes()[0]
+    assert all(manager.dram.entry(k).pins == 0 for k in ks) and not manager.residency.writes()
     assert all(worker.devices[0].contains(worker.namespace.id, k) for k in ks)
     assert worker.counters["store_jobs_released_early"] == 1 and worker.counters["store_published"] == 3
 
@@ -390,11 +390,11 @@ def test_a_write_that_ends_before_vllm_completes_the_store_unpins_at_completion(
     while len(report.stores_ended) < len(ks) and time.monotonic() < deadline:
         time.sleep(0.01)
         report = report.merge(worker.take_report())
-    assert sorted(report.stores_ended) == sorted(ks)
+    assert sorted(report.stores_ended) == sorted((k, 0) for k in ks)
     manager.on_worker_report(report)  # the end of the writes first ...
     manager.complete_store(ks, ctx)  # ... then vLLM's completion
     assert all(manager.dram.entry(k).pins == 0 and manager.dram.lookup(k) is not None for k in ks)
-    assert manager.residency.writes() == (set(), set())
+    assert manager.residency.writes() == {}
 
 
 def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(rig):
@@ -406,7 +406,7 @@ def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(r
     out = manager.prepare_store(ks, ctx)
     slots = set(out.store_spec.dram_slots)
     manager.complete_store(ks, ctx)  # early release: the writes have not ended
-    assert manager.residency.writes()[0] == set(ks)
+    assert set(manager.residency.writes()) == set(ks)
     spec = manager.prepare_load(ks[:1], ctx)  # a DRAM load of the first block fails ...
     assert spec.resident == (True,)
     report = WorkerReport()
@@ -421,7 +421,7 @@ def test_a_slot_still_written_is_never_reused_even_when_its_entry_is_forgotten(r
     taken = {s for s in manager.prepare_store(others, ctx).store_spec.dram_slots if s >= 0}
     assert not taken & slots and len(taken) == manager.dram.capacity - 2
     ended = WorkerReport()
-    ended.stores_ended = list(ks)
+    ended.stores_ended = [(k, 0) for k in ks]
     manager.on_worker_report(ended)
     assert all(manager.dram.entry(k) is None for k in ks) and manager.dram.free_slots == 2
 

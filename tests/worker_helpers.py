@@ -14,13 +14,13 @@ def settle_stores(manager, worker, keys, timeout: float = 20.0) -> None:
     are in their slots; the files are written afterwards and reported in ``stores_ended``.
     Keys stored without a DRAM slot were written before their job finished: nothing to wait for.
     """
-    pending = {k for k in keys if manager.dram.entry(k) is not None and k in manager.residency.writes()[0]}
+    pending = {k for k in keys if manager.dram.entry(k) is not None and k in manager.residency.writes()}
     deadline = time.monotonic() + timeout
     while True:
         report = worker.take_report()
         if report:
             manager.on_worker_report(report)
-        pending &= manager.residency.writes()[0]  # a reported end left ``writing`` in on_worker_report
+        pending &= set(manager.residency.writes())  # every rank's end reported: no longer written
         if not pending:
             return
         if time.monotonic() > deadline:
