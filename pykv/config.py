@@ -188,6 +188,10 @@ class PykvConfig:
                                        "stores pause this long; one warning per pause.", "duration")
     file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
     dir_mode: int = _key(_mode, "0700", "Permission bits of directories pykv creates.", "octal")
+    auth_key_file: str | None = _key(_optional_path, None, "Key file of authenticated blocks (KEY_ID HEX lines, "
+                                     "the first key signs, all verify; mode 0600): every block stored is signed, "
+                                     "every load needs a valid MAC (else a miss, quarantined). See "
+                                     "docs/format.md.", "path")
     breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "
                                       "than their tier's break-even length are refused (recomputed).", "path")
     breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "
