@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_roots, emit,
     parse_engine_args, parse_settings, table, warn)
+from pykv.auth import load_key_ring
 from pykv.config import PykvConfig, root_keys
 from pykv.jobs.serve import check_vllm_args
 from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
@@ -55,8 +56,12 @@ def warm_command(
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_settings(settings or [])
-    if not PykvConfig.from_extra_config({**root_keys(roots), **extra}).store:  # every key checked up front
+    config = PykvConfig.from_extra_config({**root_keys(roots), **extra})  # every key checked up front
+    if not config.store:
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
+    if config.auth_key_file:  # the engine signs what it stores with this file's write key
+        load_key_ring(config.auth_key_file, field="--set auth_key_file")
+        extra["auth_key_file"] = str(Path(config.auth_key_file).absolute())
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")

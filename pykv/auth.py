@@ -35,8 +35,8 @@ MAX_KEY_FILE_BYTES = 64 << 10
 class KeyFileError(InputError):
     """The key file cannot be used: unreadable, readable by others, or malformed (never quoted)."""
 
-    def __init__(self, path: object, reason: str) -> None:
-        super().__init__(f"auth_key_file {path}: {reason}")
+    def __init__(self, path: object, reason: str, field: str = "auth_key_file") -> None:
+        super().__init__(f"{field} {path}: {reason}")
         self.path = path
         self.reason = reason
 
@@ -137,9 +137,17 @@ def sign(ring: KeyRing, head: bytearray | memoryview, payload: bytes | memoryvie
     return mac
 
 
-def load_key_ring(path: str | os.PathLike[str]) -> KeyRing:
-    """Read the key file at ``path``; ``KeyFileError`` (naming the line, never its text) if it cannot serve."""
+def load_key_ring(path: str | os.PathLike[str], *, field: str = "kv_connector_extra_config.auth_key_file") -> KeyRing:
+    """Read the key file at ``path``; ``KeyFileError`` (naming ``field``, the file and the line, never
+    its text) if it cannot serve."""
     where = os.fspath(path)
+    try:
+        return _load(where)
+    except KeyFileError as exc:
+        raise KeyFileError(where, exc.reason, field) from None
+
+
+def _load(where: str) -> KeyRing:
     try:
         fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
