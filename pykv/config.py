@@ -182,8 +182,8 @@ class PykvConfig:
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
     verify: str = _key(_choice(*VERIFY_MODES), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
-    verify_threads: int = _key(_positive_int(64), 4, "Threads that check payload checksums (verify=full) beside "
-                               "the reads.", "int")
+    verify_threads: int = _key(_positive_int(64), 4, "Threads that check payload checksums (verify=full) or MACs "
+                               "(auth_key_file, which also signs stores on them) beside the reads.", "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
