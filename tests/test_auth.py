@@ -273,6 +273,19 @@ def test_a_forged_block_is_never_loaded_counted_and_quarantined(tmp_path, engine
     assert client.run(3, [forged], load=True).failures[0].step is Step.OPEN  # a plain miss now
 
 
+def test_a_forged_block_read_ahead_by_a_preload_is_not_delivered(tmp_path, engine):
+    client = engine(key_file(tmp_path, "keys", {"k1": KEY_A}))
+    path = plant(client, KEYS[0], None)
+    client.store.submit_preloads("request", [KEYS[0]])
+    client.jobs[1] = [KEYS[0]]
+    client.store.submit_load(1, [BlockRef(KEYS[0], GEOMETRY)], owner="request")
+    with client.done:
+        assert client.done.wait_for(lambda: 1 in client.ends, timeout=20)
+    assert client.ends[1].failures[0].step is Step.AUTH and KEYS[0] not in client.loaded
+    stats = client.store.reactor.stats
+    assert stats["preloads_started"] == 1 and stats["disk_reads"] >= 1 and not path.exists(), stats
+
+
 def test_key_rotation_reads_old_blocks_while_listed_and_refuses_them_after(tmp_path, engine):
     old = key_file(tmp_path, "old", {"2026-06": KEY_A})
     first = engine(old)
