@@ -10,7 +10,7 @@ offset  size  field
 0       8     magic ``b"PYKVBLK\\0"``
 8       2     header version (1 unsigned, 2 signed)
 10      2     header size in bytes (4096)
-12      4     flags (0 in v1)
+12      4     flags (0)
 16      16    namespace fingerprint
 32      2     block key length (1..64)
 34      6     reserved (zero)
@@ -187,7 +187,7 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
     if version == SIGNED_VERSION:
         key_id, zero_from = head[KEY_ID_FIELD].rstrip(b"\0"), MAC_FIELD.stop
         mac = head[MAC_FIELD]
-        if not valid_key_id(key_id) or any(head[KEY_ID_FIELD][len(key_id):]):
+        if not valid_key_id(key_id):  # a zero inside the id is not one of its characters
             raise FormatError(path, "bad key id in a signed header")
     if any(head[_RESERVED]) or any(bytes(data[zero_from:HEADER_SIZE])):
         raise FormatError(path, "reserved header bytes are not zero")
