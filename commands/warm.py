@@ -50,6 +50,8 @@ def warm_command(
     Arguments pykv does not know go to vLLM, as `pykv serve` passes them (e.g. --block-size 32):
     give both the same vLLM flags so that they use the same namespace. Resumable: prompts whose
     blocks are all stored already are skipped. Uses $PYTHONHASHSEED (0 when unset, as pykv serve).
+    With --set auth_key_file=FILE every block is signed with the file's write key, and blocks in the
+    tree not signed with one of its keys are quarantined and stored again.
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
     check_new_roots(roots)
@@ -106,6 +108,8 @@ def _render(screen: Console, s: dict[str, Any]) -> None:
                ["bad lines skipped", s["bad_lines"]]]
     chunks = [[verb, s["chunks_stored"]], ["already present", s["chunks_present"]],
               ["below break-even", s["chunks_below_breakeven"]]]
+    if s.get("chunks_unsigned"):
+        chunks.append(["of those, replacing unsigned or foreign-key", s["chunks_unsigned"]])
     if s.get("chunks_missing"):
         chunks.append(["not stored (failed)", s["chunks_missing"]])
     title = f"blocks ({s['tokens_per_chunk']} tokens each)"

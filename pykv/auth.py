@@ -86,6 +86,10 @@ class KeyRing:
 
     __str__ = __repr__
 
+    def holds(self, header: BlockHeader) -> bool:
+        """Whether ``header`` is signed with a key id of the ring (its MAC not checked: ``check`` does)."""
+        return header.signed and header.key_id in self._keys
+
     def hasher(self, header: BlockHeader, head: bytes | memoryview) -> "blake3.blake3 | AuthStatus":
         """A keyed hasher fed the header's signed bytes (``head``: the encoded header), ready for the
         payload; or the status that makes hashing moot (``UNSIGNED``, ``UNKNOWN_KEY``)."""

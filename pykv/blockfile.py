@@ -50,6 +50,15 @@ def read_header(path: Path) -> BlockHeader:
         return decode_header(opened.read(HEADER_SIZE, 0), path=path)
 
 
+def signed_with(path: Path, keys: KeyRing) -> bool:
+    """Whether the block at ``path`` is signed with a key id of ``keys`` (header only: a load checks
+    the MAC); False for an unsigned, unreadable or damaged file."""
+    try:
+        return keys.holds(read_header(path))
+    except (FormatError, OSError):
+        return False
+
+
 @dataclass(frozen=True)
 class CheckedBlock:
     """A block file that passed the checks asked for."""

@@ -16,7 +16,7 @@ from treefactory import NS as TREE_NS, add_block, key, make_tree
 from typer.testing import CliRunner
 
 from pykv.auth import AuthStatus, KeyFileError, KeyRing, check, load_key_ring, write_key_file
-from pykv.blockfile import check_block, read_header, write_block
+from pykv.blockfile import check_block, read_header, signed_with, write_block
 from pykv.commands.app import app
 from pykv.config import PykvConfig
 from pykv.failures import Step
@@ -162,6 +162,16 @@ def test_unsigned_and_foreign_key_blocks_are_refused_without_hashing(tmp_path):
     assert check_block(foreign, keys=keys).auth is AuthStatus.UNKNOWN_KEY
     impostor = add_block(tree, key(3), keys=ring(tmp_path, "impostor", {"k1": KEY_X}))  # the right id, another key
     assert check_block(impostor, keys=keys).auth is AuthStatus.BAD_MAC
+
+
+def test_signed_with_tells_blocks_of_the_rings_key_ids_from_the_rest(tmp_path):
+    keys = ring(tmp_path, "keys", {"k1": KEY_A})
+    tree = make_tree(tmp_path)
+    assert signed_with(add_block(tree, key(1), keys=keys), keys)
+    assert not signed_with(add_block(tree, key(2)), keys)
+    assert not signed_with(add_block(tree, key(3), keys=ring(tmp_path, "other", {"x": KEY_X})), keys)
+    (tmp_path / "junk.kv").write_bytes(b"not a block")
+    assert not signed_with(tmp_path / "junk.kv", keys) and not signed_with(tmp_path / "absent.kv", keys)
 
 
 # -- a BlockStore with a key -----------------------------------------------------------------------

@@ -253,7 +253,8 @@ def test_warm_over_a_device_set_places_every_block_and_a_re_run_finds_them(tmp_p
 
 @pytest.mark.slow
 def test_warm_with_a_key_file_stores_signed_blocks(tmp_path):
-    """``pykv warm --set auth_key_file=FILE``: its engine signs every block with the file's write key."""
+    """``pykv warm --set auth_key_file=FILE``: its engine signs every block with the file's write key;
+    blocks an earlier keyless warm left unsigned are not taken as present: they are stored again, signed."""
     pytest.importorskip("vllm")
     import os
     from pykv.auth import write_key_file
@@ -263,8 +264,15 @@ def test_warm_with_a_key_file_stores_signed_blocks(tmp_path):
     prompts = write(tmp_path / "prompts.jsonl", [json.dumps(p) for p in PROMPTS])
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     root = tmp_path / "tree"
+    unsigned = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE))
+    assert unsigned["chunks_stored"] == EXPECTED_BLOCKS
     stored = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE,
                             "--set", f"auth_key_file={tmp_path / 'keys'}"))
-    assert stored["chunks_stored"] == EXPECTED_BLOCKS
+    assert stored["chunks_stored"] == EXPECTED_BLOCKS and stored["chunks_missing"] == 0
+    assert stored["chunks_unsigned"] == EXPECTED_BLOCKS  # quarantined, stored again signed
+    assert len(list((root / ".pykv" / "quarantine").rglob("*.kv"))) == EXPECTED_BLOCKS
+    again = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE, "--dry-run",
+                           "--set", f"auth_key_file={tmp_path / 'keys'}"))
+    assert again["chunks_stored"] == 0 and again["chunks_present"] == EXPECTED_BLOCKS
     checked = json.loads(invoke("fsck", root, "--key-file", tmp_path / "keys", "--json").stdout)
     assert checked["auth"] == {"signed": EXPECTED_BLOCKS, "unsigned": 0, "foreign-key": 0, "bad-mac": 0}
