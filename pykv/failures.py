@@ -1,9 +1,10 @@
 """Why one block of a job failed, as a value: the step that failed and its errno.
 
 The store and its callers decide by the step, never by message text: a block that
-failed its checks or its authentication is corrupt (its file is quarantined); a failed directory, open for
-write, write, fsync or publish is the medium refusing stores (stores pause for
-``store_retry_interval``); a missing file or a failed read is neither. ``str()`` of a
+failed its checks or its authentication (``auth_key_file``) is corrupt (its file is
+quarantined); a failed directory, open for write, write, fsync or publish is the
+medium refusing stores (stores pause for ``store_retry_interval``); a missing file
+or a failed read is neither. ``str()`` of a
 failure is the log line's reason ("open: No such file or directory").
 """
 
