@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 
+from pykv.auth import AuthStatus, load_key_ring
 from pykv.commands.output import JsonFlag, RootsArgument, emit, error_line, line, open_roots, plural, size
 from pykv.maintenance import FsckReport, fsck, fsck_devices, repair
 from pykv.units import parse_duration
@@ -20,6 +22,10 @@ def fsck_command(
                          "to .pykv/quarantine/.")] = False,
     grace: Annotated[str, typer.Option(
         "--grace", metavar="DURATION", help="Temp files younger than this belong to a writer at work.")] = "1h",
+    key_file: Annotated[Optional[Path], typer.Option(
+        "--key-file", metavar="FILE", help="Key file of authenticated blocks (auth_key_file): also verify each "
+                                           "block's MAC and count signed, unsigned, foreign-key and bad-mac "
+                                           "blocks; bad-mac is a problem.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Check every file of the tree; exit 1 while problems remain.
@@ -27,13 +33,17 @@ def fsck_command(
     Several ROOTs are one device set: each device is checked and reported on its own. Blocks on
     a device other than the one the set's placement picks are counted as unreachable, not as
     problems: they are never moved or deleted (the set given may be only part of the engines').
+    With --key-file, unsigned blocks and blocks of a key id the file does not hold are counted,
+    not problems: an engine with the key refuses them as misses.
     """
     grace_s = parse_duration(grace, field="--grace")
+    keys = load_key_ring(key_file, field="--key-file") if key_file is not None else None
     devices = open_roots(roots)
-    reports = [fsck(devices[0], grace_s=grace_s)] if len(devices) == 1 else fsck_devices(devices, grace_s=grace_s)
+    reports = [fsck(devices[0], grace_s=grace_s, keys=keys)] if len(devices) == 1 else \
+        fsck_devices(devices, grace_s=grace_s, keys=keys)
     for tree, report in zip(devices, reports):
         if repair_ and report.findings:
-            repair(tree, report)
+            repair(tree, report, keys)
     if len(reports) == 1:
         emit(reports[0].as_dict(), as_json=as_json, render=_render)
     else:
@@ -60,6 +70,8 @@ def _set_dict(reports: list[FsckReport]) -> dict[str, Any]:
             "bytes_checked": sum(r.bytes_checked for r in reports), "counts": counts,
             "unreachable_blocks": sum(r.unreachable_blocks for r in reports),
             "unreachable_bytes": sum(r.unreachable_bytes for r in reports),
+            **({} if reports[0].auth is None else {"auth": {
+                status.value: sum(r.auth[status.value] for r in reports) for status in AuthStatus}}),
             "clean": all(r.clean for r in reports), "devices": [r.as_dict() for r in reports]}
 
 
@@ -71,6 +83,7 @@ def _render_set(out: Console, data: dict[str, Any]) -> None:
             line(out, f"unreachable {plural(device['unreachable_blocks'], 'block')} "
                       f"({size(device['unreachable_bytes'])}): on this device, placed on another by this set "
                       f"(left in place)")
+    _render_auth(out, data)
     line(out, f"{len(data['devices'])} devices: checked {plural(data['blocks_checked'], 'block')}, "
               f"{plural(data['unreachable_blocks'], 'block')} unreachable; "
               + ("clean" if data["clean"] else "problems remain"))
@@ -82,6 +95,7 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     if data["findings"]:
         line(out, "found: " + ", ".join(f"{count} {problem}" for problem, count in sorted(data["counts"].items())))
     line(out, f"checked {plural(data['blocks_checked'], 'block')}")
+    _render_auth(out, data)
     if data["quarantine"] is not None:
         deleted, moved = data["deleted"], data["moved"]
         line(out, f"repaired {data['repaired']}: deleted {plural(len(deleted), 'stale temp')} of pykv's, "
@@ -93,3 +107,9 @@ def _render(out: Console, data: dict[str, Any]) -> None:
         for failure in data["failed"]:
             line(out, f"could not repair {failure['path']}: {failure['error']}")
     line(out, "clean" if data["clean"] else "problems remain")
+
+
+def _render_auth(out: Console, data: dict[str, Any]) -> None:
+    auth = data.get("auth")
+    if auth is not None:
+        line(out, "authenticated: " + ", ".join(f"{auth[status.value]} {status.value}" for status in AuthStatus))

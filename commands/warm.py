@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_roots, emit,
     parse_engine_args, parse_settings, table, warn)
+from pykv.auth import load_key_ring
 from pykv.config import PykvConfig, root_keys
 from pykv.jobs.serve import check_vllm_args
 from pykv.jobs.warm import WarmPlan, read_prompts, run_warm
@@ -49,14 +50,20 @@ def warm_command(
     Arguments pykv does not know go to vLLM, as `pykv serve` passes them (e.g. --block-size 32):
     give both the same vLLM flags so that they use the same namespace. Resumable: prompts whose
     blocks are all stored already are skipped. Uses $PYTHONHASHSEED (0 when unset, as pykv serve).
+    With --set auth_key_file=FILE every block is signed with the file's write key, and blocks in the
+    tree not signed with one of its keys are quarantined and stored again.
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
     check_new_roots(roots)
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_settings(settings or [])
-    if not PykvConfig.from_extra_config({**root_keys(roots), **extra}).store:  # every key checked up front
+    config = PykvConfig.from_extra_config({**root_keys(roots), **extra})  # every key checked up front
+    if not config.store:
         raise InputError("--set store: pykv warm exists to store its prompts; leave store at true")
+    if config.auth_key_file:  # the engine signs what it stores with this file's write key
+        load_key_ring(config.auth_key_file, field="--set auth_key_file")
+        extra["auth_key_file"] = str(Path(config.auth_key_file).absolute())
     llm_args = parse_engine_args(engine_args, engine_arg or [], reserved=("model", "kv_transfer_config"))
     if block_tokens < 1:
         raise InputError(f"--block-tokens: expected a positive integer, got {block_tokens}")
@@ -101,6 +108,8 @@ def _render(screen: Console, s: dict[str, Any]) -> None:
                ["bad lines skipped", s["bad_lines"]]]
     chunks = [[verb, s["chunks_stored"]], ["already present", s["chunks_present"]],
               ["below break-even", s["chunks_below_breakeven"]]]
+    if s.get("chunks_unsigned"):
+        chunks.append(["of those, replacing unsigned or foreign-key", s["chunks_unsigned"]])
     if s.get("chunks_missing"):
         chunks.append(["not stored (failed)", s["chunks_missing"]])
     title = f"blocks ({s['tokens_per_chunk']} tokens each)"

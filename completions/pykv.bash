@@ -50,9 +50,10 @@ _pykv() {
         fsck)
             case "$prev" in
                 --grace) :; return ;;
+                --key-file) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--repair --grace --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--repair --grace --key-file --json --help" -- "$cur"))
             else
                 COMPREPLY=($(compgen -d -- "$cur"))
             fi

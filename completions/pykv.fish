@@ -35,6 +35,7 @@ complete -c pykv -n '__fish_seen_subcommand_from gc' -l help -d 'Show this messa
 complete -c pykv -n '__fish_seen_subcommand_from gc' -a '(__fish_complete_directories)'
 complete -c pykv -n '__fish_seen_subcommand_from fsck' -l repair -d 'Delete pykv\'s stale temps; move damaged blocks and everything pykv did not create to .pykv/quarantine/.'
 complete -c pykv -n '__fish_seen_subcommand_from fsck' -l grace -r -d 'Temp files younger than this belong to a writer at work.'
+complete -c pykv -n '__fish_seen_subcommand_from fsck' -l key-file -r -F -d 'Key file of authenticated blocks (auth_key_file): also verify each block\'s MAC and count signed, unsigned, foreign-key and bad-mac blocks; bad-mac is a problem.'
 complete -c pykv -n '__fish_seen_subcommand_from fsck' -l json -d 'Print one JSON document instead of tables.'
 complete -c pykv -n '__fish_seen_subcommand_from fsck' -l help -d 'Show this message and exit.'
 complete -c pykv -n '__fish_seen_subcommand_from fsck' -a '(__fish_complete_directories)'

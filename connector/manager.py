@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from typing import Any, Collection
 
+from pykv.auth import load_key_ring
 from pykv.calibration import BreakEvenGate
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.counters import CounterFile, Metric, SchedulerCounter
@@ -92,6 +93,9 @@ class PykvManager(OffloadingManager):
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
             pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
             setting="kv_connector_extra_config.breakeven_file", margin=pykv.breakeven_margin)
+        if pykv.auth_key_file:  # checked at start (the workers hold the keys): a bad key file stops the engine
+            ring = load_key_ring(pykv.auth_key_file)
+            log.info("pykv: authenticated blocks, %s", ring)
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
         self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
         self._gate_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse it

@@ -154,6 +154,7 @@ class WarmSummary:
     chunks_present: int = 0  # already in the tree
     chunks_below_breakeven: int = 0
     chunks_missing: int = 0  # should have been stored but are not on disk (store failures)
+    chunks_unsigned: int = 0  # with a key file: on disk but not signed with it; quarantined and stored again
     tokens_per_chunk: int = 0
     breakeven_tokens: float | None = None  # the shortest disk load the gate admits (with breakeven_margin)
     dry_run: bool = False

@@ -8,14 +8,20 @@ so it can ask pykv's manager what is on disk) and warms the plan's prompts
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from pykv.auth import load_key_ring
+from pykv.blockfile import signed_with
 from pykv.errors import InputError
 from pykv.jobs.progress import EventLog, engine_main
 from pykv.jobs.warm import WarmPlan, WarmPrompt, WarmSummary
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 
@@ -50,8 +56,15 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
                           breakeven_tokens=None if gate is None else float(threshold))
     if devices is None and not dry_run:
         devices = manager.devices
-    present = (lambda key: False) if devices is None else (  # noqa: E731
-        lambda key: devices.tree_of(key).contains(manager.namespace.id, key))
+    ring = load_key_ring(manager.pykv.auth_key_file) if manager.pykv.auth_key_file else None
+
+    def on_disk(key: bytes) -> bool:
+        return devices is not None and devices.tree_of(key).contains(manager.namespace.id, key)
+
+    def present(key: bytes) -> bool:
+        """On disk (with a key file: signed with one of its key ids; other blocks are replaced)."""
+        return on_disk(key) and (ring is None or signed_with(
+            devices.tree_of(key).block_path(manager.namespace.id, key), ring))
     seen: set[bytes] = set()
     to_store: set[bytes] = set()
     runs: list[dict[str, Any]] = []
@@ -90,6 +103,10 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
         report("plan", done, len(prompts))
     summary.prompts_run = len(runs)
     summary.chunks_stored = len(to_store)
+    unsigned = [k for k in to_store if on_disk(k)]  # only with a key file: there but not signed with it
+    summary.chunks_unsigned = len(unsigned)
+    if not dry_run:  # a load would refuse and quarantine them and vLLM not store them again in that request
+        _quarantine(manager, unsigned)
     if dry_run or not runs:
         summary.seconds = round(time.monotonic() - started, 3)
         return summary
@@ -103,6 +120,20 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
     summary.chunks_stored -= summary.chunks_missing
     summary.seconds = round(time.monotonic() - started, 3)
     return summary
+
+
+def _quarantine(manager: Any, keys: Sequence[bytes]) -> None:
+    """Move these blocks out of the way as an engine with the key file would on their first hit."""
+    run = f"warm-{socket.gethostname()}-{os.getpid()}"
+    for key in keys:
+        path = manager.medium.locate(manager.namespace.id, key)
+        try:
+            manager.medium.quarantine(path, run)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # left in place: its load fails and it shows as not stored
+            log.warning("pykv warm: %s: not signed with the key file, and quarantine failed (%s)", path,
+                        exc.strerror or exc)
 
 
 def _settle(llm: Any, missing: Callable[[], int], timeout: float, report: Callable[[int], None]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import xxhash
 
+from pykv.auth import AuthStatus, KeyRing, sign, verdict
 from pykv.errors import ChecksumError, FormatError
 from pykv.io.safe_paths import OpenedFile, open_regular
 from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, padded, verify_payload
@@ -28,9 +29,10 @@ def _open_block(path: Path) -> OpenedFile:
     return open_regular(path)
 
 
-def _header_of(opened: OpenedFile, path: Path) -> BlockHeader:
-    """The header, checked against the file: its length must be the file's exact size."""
-    header = decode_header(opened.read(HEADER_SIZE, 0), path=path)
+def _header_of(opened: OpenedFile, path: Path, head: bytes | None = None) -> BlockHeader:
+    """The header (``head``: its bytes, if read already), checked against the file: its length
+    must be the file's exact size."""
+    header = decode_header(opened.read(HEADER_SIZE, 0) if head is None else head, path=path)
     size = opened.size
     if header.file_size > MAX_BLOCK_FILE:
         raise FormatError(path, f"header claims {header.file_size} bytes, more than the {MAX_BLOCK_FILE} "
@@ -48,6 +50,15 @@ def read_header(path: Path) -> BlockHeader:
         return decode_header(opened.read(HEADER_SIZE, 0), path=path)
 
 
+def signed_with(path: Path, keys: KeyRing) -> bool:
+    """Whether the block at ``path`` is signed with a key id of ``keys`` (header only: a load checks
+    the MAC); False for an unsigned, unreadable or damaged file."""
+    try:
+        return keys.holds(read_header(path))
+    except (FormatError, OSError):
+        return False
+
+
 @dataclass(frozen=True)
 class CheckedBlock:
     """A block file that passed the checks asked for."""
@@ -55,24 +66,31 @@ class CheckedBlock:
     path: Path
     header: BlockHeader
     size: int
+    auth: AuthStatus | None = None  # what the key ring says (``check_block(keys=...)``)
 
 
-def check_block(path: Path, *, full: bool = True) -> CheckedBlock:
+def check_block(path: Path, *, full: bool = True, keys: KeyRing | None = None) -> CheckedBlock:
     """Check header, exact file size and (if ``full``) the payload checksum, streamed in bounded
-    pieces (nothing is allocated from the header's length)."""
+    pieces (nothing is allocated from the header's length). ``keys``: also hash the MAC in the same
+    pass and report the ring's ``AuthStatus`` (a refused block is reported, not raised)."""
     with _open_block(path) as opened:
-        header = _header_of(opened, path)
-        if full:
-            hasher = xxhash.xxh3_128()
+        head = opened.read(HEADER_SIZE, 0)
+        header = _header_of(opened, path, head)
+        auth = keys.hasher(header, head) if keys is not None else None
+        if full or keys is not None:
+            hasher = xxhash.xxh3_128() if full else None
             done = 0
             for piece in opened.pieces(header.payload_length, HEADER_SIZE):
-                hasher.update(piece)
+                if hasher is not None:
+                    hasher.update(piece)
+                if auth is not None and not isinstance(auth, AuthStatus):
+                    auth.update(piece)
                 done += len(piece)
             if done < header.payload_length:
                 raise FormatError(path, f"payload truncated: {done} of {header.payload_length} bytes")
-            if hasher.digest() != header.payload_checksum:
+            if hasher is not None and hasher.digest() != header.payload_checksum:
                 raise ChecksumError(path, "payload checksum mismatch")
-        return CheckedBlock(path, header, opened.size)
+        return CheckedBlock(path, header, opened.size, None if auth is None else verdict(auth, header))
 
 
 def read_payload(path: Path, *, verify: bool = True) -> tuple[BlockHeader, bytes]:
@@ -88,21 +106,25 @@ def read_payload(path: Path, *, verify: bool = True) -> tuple[BlockHeader, bytes
     return header, payload
 
 
-def encode_block(namespace: bytes, key: bytes, geometry: Geometry, payload: bytes | memoryview) -> bytes:
-    """Header, payload and zero padding: the exact bytes of a v1 file."""
-    header = build_header(namespace, key, geometry, payload)
+def encode_block(namespace: bytes, key: bytes, geometry: Geometry, payload: bytes | memoryview, *,
+                 keys: KeyRing | None = None) -> bytes:
+    """Header, payload and zero padding: the exact bytes of a block file (signed with ``keys``'s write key)."""
+    header = build_header(namespace, key, geometry, payload, key_id=keys.write_id if keys is not None else b"")
     encoded = encode_header(header)
     assert encoded is not None
-    return encoded + bytes(payload) + bytes(padded(len(payload)) - len(payload))
+    if keys is not None:
+        encoded = bytearray(encoded)
+        sign(keys, encoded, payload)
+    return bytes(encoded) + bytes(payload) + bytes(padded(len(payload)) - len(payload))
 
 
 def write_block(tree: KVTree, namespace_id: str, key: bytes, geometry: Geometry,
-                payload: bytes | memoryview) -> bool:
-    """Write and publish one block with buffered I/O. False if it already existed."""
+                payload: bytes | memoryview, *, keys: KeyRing | None = None) -> bool:
+    """Write and publish one block with buffered I/O (signed with ``keys``). False if it already existed."""
     final = tree.block_path(namespace_id, key)
     tree.ensure_parent(final)
     temp = tree.temp_path(final)
-    data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload)
+    data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload, keys=keys)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
     try:
         remaining = memoryview(data)

@@ -189,8 +189,8 @@ class PykvConfig:
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
     verify: str = _key(_choice(*VERIFY_MODES), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
-    verify_threads: int = _key(_positive_int(64), 4, "Threads that check payload checksums (verify=full) beside "
-                               "the reads.", "int")
+    verify_threads: int = _key(_positive_int(64), 4, "Threads that check payload checksums (verify=full) or MACs "
+                               "(auth_key_file, which also signs stores on them) beside the reads.", "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     max_tree_bytes: int = _key(_size, 0, "Keep the tree under this size while serving (per device with `roots`): "
@@ -202,6 +202,10 @@ class PykvConfig:
                                 "evicted.", "duration")
     file_mode: int = _key(_mode, "0600", "Permission bits of block files.", "octal")
     dir_mode: int = _key(_mode, "0700", "Permission bits of directories pykv creates.", "octal")
+    auth_key_file: str | None = _key(_optional_path, None, "Key file of authenticated blocks (KEY_ID HEX lines, "
+                                     "the first key signs, all verify; mode 0600): every block stored is signed, "
+                                     "every load needs a valid MAC (else a miss, quarantined). See "
+                                     "docs/format.md.", "path")
     breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "
                                       "than their tier's break-even length are refused (recomputed).", "path")
     breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "

@@ -102,6 +102,9 @@ class WorkerCounter(_Documented):
         "Storage blocks whose load from the tree failed (recomputed).")
     LOAD_BLOCKS_FAILED_DRAM = ("load_blocks_failed_dram",
         "Storage blocks whose load from the DRAM tier failed (recomputed).")
+    LOAD_BLOCKS_UNAUTHENTICATED = ("load_blocks_unauthenticated",
+        "Of the failed loads from the tree, blocks refused for their MAC (auth_key_file): unsigned, "
+        "an unknown key id or a wrong MAC (recomputed, quarantined).")
     DRAM_DELIVERED_BLOCKS = "dram_delivered_blocks", "Blocks copied to the GPU straight from DRAM-tier slots."
     DRAM_DELIVERED_BYTES = "dram_delivered_bytes", "Their bytes."
     STORE_JOBS = "store_jobs", "Store jobs vLLM submitted."

@@ -1,9 +1,10 @@
 """Why one block of a job failed, as a value: the step that failed and its errno.
 
 The store and its callers decide by the step, never by message text: a block that
-failed its checks is corrupt (its file is quarantined); a failed directory, open for
-write, write, fsync or publish is the medium refusing stores (stores pause for
-``store_retry_interval``); a missing file or a failed read is neither. ``str()`` of a
+failed its checks or its authentication (``auth_key_file``) is corrupt (its file is
+quarantined); a failed directory, open for write, write, fsync or publish is the
+medium refusing stores (stores pause for ``store_retry_interval``); a missing file
+or a failed read is neither. ``str()`` of a
 failure is the log line's reason ("open: No such file or directory").
 """
 
@@ -21,6 +22,7 @@ class Step(enum.Enum):
     OPEN = "open"
     READ = "read"
     CHECK = "check"  # header, size or checksum: the file is there and is not what it should be
+    AUTH = "auth"  # the key ring refuses the block: unsigned, an unknown key id or a wrong MAC
     FILL = "fill"  # the engine could not put the KV into the staging slot
     COPY = "copy"  # the engine could not copy the KV out of the staging slot
     MKDIR = "mkdir"
@@ -47,8 +49,8 @@ class BlockFailure:
 
     @property
     def corrupt(self) -> bool:
-        """The block's file exists and fails its checks: quarantine it."""
-        return self.step is Step.CHECK
+        """The block's file exists and fails its checks (authentication included): quarantine it."""
+        return self.step in (Step.CHECK, Step.AUTH)
 
     @property
     def medium_refuses_stores(self) -> bool:

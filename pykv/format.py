@@ -1,14 +1,16 @@
-"""On-disk format v1: a fixed 4 KiB header followed by the raw payload, padded to 4 KiB.
+"""On-disk block format: a fixed 4 KiB header followed by the raw payload, padded to 4 KiB.
 
-Layout of the header (little endian; the rest of the 4 KiB is zero):
+Layout of the header (little endian; the rest of the 4 KiB is zero). Header version 1 is an
+unsigned block; version 2 is a signed block (``auth_key_file``, ``pykv.auth``): the same
+fields plus a key id and a keyed BLAKE3 MAC at 160..207. Both live in tree format 1.
 
 ======  ====  =================================================================
 offset  size  field
 ======  ====  =================================================================
 0       8     magic ``b"PYKVBLK\\0"``
-8       2     format version (1)
+8       2     header version (1 unsigned, 2 signed)
 10      2     header size in bytes (4096)
-12      4     flags (0 in v1)
+12      4     flags (0)
 16      16    namespace fingerprint
 32      2     block key length (1..64)
 34      6     reserved (zero)
@@ -20,6 +22,8 @@ offset  size  field
 128     16    xxh3-128 of the payload (unpadded)
 144     8     creation time, nanoseconds since the epoch
 152     8     xxh3-64 of bytes 0..151 (header checksum)
+160     16    v2: key id (ASCII, zero padded); v1: zero
+176     32    v2: BLAKE3 keyed MAC of bytes 0..175 and the payload; v1: zero
 ======  ====  =================================================================
 
 Files are raw bytes only: nothing here ever unpickles or ``torch.load``s.
@@ -37,6 +41,9 @@ from pykv.errors import ChecksumError, FormatError
 
 MAGIC = b"PYKVBLK\0"
 FORMAT_VERSION = 1
+"""The tree's format (marker, namespace fingerprints) and the header version of unsigned blocks."""
+SIGNED_VERSION = 2
+"""The header version of a signed block: a v1 header plus key id and MAC (older pykv refuses it)."""
 HEADER_SIZE = 4096
 ALIGNMENT = 4096
 MAX_KEY_BYTES = 64
@@ -47,6 +54,14 @@ _CHECKSUM = struct.Struct("<Q")
 _CHECKED_BYTES = _BODY.size  # 152
 assert _CHECKED_BYTES == 152
 _RESERVED = slice(34, 40)  # the 6 reserved bytes after the key length
+_TRAILER = _CHECKED_BYTES + _CHECKSUM.size  # 160: end of the v1 header's fields
+KEY_ID_BYTES = 16
+MAC_BYTES = 32
+KEY_ID_FIELD = slice(_TRAILER, _TRAILER + KEY_ID_BYTES)  # 160..175
+MAC_FIELD = slice(KEY_ID_FIELD.stop, KEY_ID_FIELD.stop + MAC_BYTES)  # 176..207
+SIGNED_BYTES = KEY_ID_FIELD.stop
+"""The header bytes a signed block's MAC covers (0..175: every field, the key id included), before the payload."""
+KEY_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
 def padded(length: int) -> int:
@@ -81,7 +96,16 @@ class BlockHeader:
     geometry: Geometry
     payload_checksum: bytes
     created_ns: int = 0
-    version: int = FORMAT_VERSION
+    key_id: bytes = b""  # signed blocks (v2): the key that made ``mac``; b"" for unsigned (v1)
+    mac: bytes = b""
+
+    @property
+    def version(self) -> int:
+        return SIGNED_VERSION if self.key_id else FORMAT_VERSION
+
+    @property
+    def signed(self) -> bool:
+        return bool(self.key_id)
 
     @property
     def payload_length(self) -> int:
@@ -97,14 +121,20 @@ def payload_checksum(payload: memoryview | bytes) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
+def valid_key_id(key_id: bytes) -> bool:
+    """1..16 bytes of letters, digits, ``.``, ``_`` or ``-``."""
+    return 1 <= len(key_id) <= KEY_ID_BYTES and all(c in KEY_ID_CHARS for c in key_id)
+
+
 def build_header(namespace: bytes, key: bytes, geometry: Geometry, payload: memoryview | bytes,
-                 *, created_ns: int | None = None) -> BlockHeader:
-    """Header for ``payload`` (its checksum is computed here)."""
+                 *, created_ns: int | None = None, key_id: bytes = b"") -> BlockHeader:
+    """Header for ``payload`` (its checksum is computed here); ``key_id``: a signed (v2) header,
+    whose MAC ``pykv.auth.sign`` writes once it is encoded."""
     if len(payload) != geometry.payload_length:
         raise ValueError(f"payload is {len(payload)} bytes, geometry says {geometry.payload_length}")
     return BlockHeader(namespace=namespace, key=key, geometry=geometry,
                        payload_checksum=payload_checksum(payload),
-                       created_ns=time.time_ns() if created_ns is None else created_ns)
+                       created_ns=time.time_ns() if created_ns is None else created_ns, key_id=key_id)
 
 
 def encode_header(header: BlockHeader, out: memoryview | bytearray | None = None) -> bytes | None:
@@ -113,25 +143,30 @@ def encode_header(header: BlockHeader, out: memoryview | bytearray | None = None
         raise ValueError(f"namespace fingerprint must be {NAMESPACE_BYTES} bytes")
     if not 1 <= len(header.key) <= MAX_KEY_BYTES:
         raise ValueError(f"block key must be 1..{MAX_KEY_BYTES} bytes, got {len(header.key)}")
+    if header.key_id and (not valid_key_id(header.key_id) or len(header.mac) not in (0, MAC_BYTES)):
+        raise ValueError("key id must be 1..16 letters, digits, '.', '_' or '-' and the MAC 32 bytes")
     g = header.geometry
     body = _BODY.pack(MAGIC, header.version, HEADER_SIZE, 0, header.namespace, len(header.key),
                       header.key, g.payload_length, g.tokens, g.segments, g.segment_bytes,
                       header.payload_checksum, header.created_ns)
     checksum = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    trailer = b""
+    if header.key_id:
+        trailer = header.key_id.ljust(KEY_ID_BYTES, b"\0") + (header.mac or bytes(MAC_BYTES))
+    head = body + checksum + trailer
     if out is None:
-        return body + checksum + bytes(HEADER_SIZE - _CHECKED_BYTES - _CHECKSUM.size)
+        return head + bytes(HEADER_SIZE - len(head))
     view = memoryview(out).cast("B")[:HEADER_SIZE]
     view[:] = bytes(HEADER_SIZE)
-    view[:_CHECKED_BYTES] = body
-    view[_CHECKED_BYTES:_CHECKED_BYTES + _CHECKSUM.size] = checksum
+    view[:len(head)] = head
     return None
 
 
 def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> BlockHeader:
     """Parse and check a header; raise ``FormatError``/``ChecksumError`` naming ``path``."""
-    if len(data) < _CHECKED_BYTES + _CHECKSUM.size:
+    if len(data) < MAC_FIELD.stop:
         raise FormatError(path, f"header truncated: {len(data)} bytes")
-    head = bytes(data[:_CHECKED_BYTES + _CHECKSUM.size])
+    head = bytes(data[:MAC_FIELD.stop])
     (magic, version, header_size, flags, namespace, key_length, key, payload_length, tokens,
      segments, segment_bytes, checksum, created_ns) = _BODY.unpack_from(head)
     if magic != MAGIC:
@@ -139,19 +174,26 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
     (stored_checksum,) = _CHECKSUM.unpack_from(head, _CHECKED_BYTES)
     if stored_checksum != xxhash.xxh3_64_intdigest(head[:_CHECKED_BYTES]):
         raise ChecksumError(path, "header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise FormatError(path, f"unsupported format version {version} (this pykv reads {FORMAT_VERSION})")
+    if version not in (FORMAT_VERSION, SIGNED_VERSION):
+        raise FormatError(path, f"unsupported format version {version} (this pykv reads "
+                                f"{FORMAT_VERSION} and {SIGNED_VERSION})")
     if header_size != HEADER_SIZE or flags != 0:
         raise FormatError(path, f"unsupported header size {header_size} or flags {flags:#x}")
     if not 1 <= key_length <= MAX_KEY_BYTES or any(key[key_length:]):
         raise FormatError(path, f"bad block key length {key_length}")
     if payload_length != segments * segment_bytes:
         raise FormatError(path, f"payload length {payload_length} != {segments} x {segment_bytes}")
-    if any(head[_RESERVED]) or any(bytes(data[_CHECKED_BYTES + _CHECKSUM.size:HEADER_SIZE])):
+    key_id, mac, zero_from = b"", b"", _TRAILER
+    if version == SIGNED_VERSION:
+        key_id, zero_from = head[KEY_ID_FIELD].rstrip(b"\0"), MAC_FIELD.stop
+        mac = head[MAC_FIELD]
+        if not valid_key_id(key_id):  # a zero inside the id is not one of its characters
+            raise FormatError(path, "bad key id in a signed header")
+    if any(head[_RESERVED]) or any(bytes(data[zero_from:HEADER_SIZE])):
         raise FormatError(path, "reserved header bytes are not zero")
     return BlockHeader(namespace=namespace, key=key[:key_length],
                        geometry=Geometry(tokens, segments, segment_bytes),
-                       payload_checksum=checksum, created_ns=created_ns, version=version)
+                       payload_checksum=checksum, created_ns=created_ns, key_id=key_id, mac=mac)
 
 
 def verify_payload(header: BlockHeader, payload: memoryview | bytes, *, path: object = "<buffer>") -> None:

@@ -209,6 +209,8 @@ class JobLedger:
         for i, resident in enumerate(state.resident):
             if i in failures:
                 self.counters[C.LOAD_BLOCKS_FAILED_DRAM if resident else C.LOAD_BLOCKS_FAILED_DISK] += 1
+                if failures[i].step is Step.AUTH:
+                    self.counters[C.LOAD_BLOCKS_UNAUTHENTICATED] += 1
             else:
                 self.counters[C.LOAD_BLOCKS_DRAM if resident else C.LOAD_BLOCKS_DISK] += 1
         seconds = now - state.started

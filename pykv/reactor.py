@@ -3,11 +3,13 @@
 Clients (the connector worker, ``pykv bench``, ``pykv warm``) submit jobs of
 storage blocks from any thread. The reactor opens files ahead, reads each block
 into a staging slot, checks its header (and payload checksum when asked, on the
-verifier threads of ``reactor_verify`` so hashing never stalls the I/O) and
+verifier threads of ``reactor_verify`` so hashing never stalls the I/O; with a key ring
+the block's MAC instead, and a block the ring refuses is a failed load) and
 hands every block that became ready in one iteration to the ``LoadSink`` as one
 batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
 Stores run the other way: the ``StoreSource`` fills a slot, the reactor seals
-it, writes header and payload to a temporary file and publishes it.
+it (with a key ring, signs it on the verifier threads), writes header and payload
+to a temporary file and publishes it.
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
 schedules (this module), loads (``reactor_loads``) and stores (``reactor_stores``).
@@ -30,6 +32,7 @@ import time
 from collections import Counter
 from typing import Callable, Hashable, Sequence
 
+from pykv.auth import KeyRing
 from pykv.failures import BlockFailure
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
 from pykv.media.base import Medium
@@ -53,7 +56,7 @@ class Reactor(LoadSteps, StoreSteps):
 
     def __init__(self, backend: IoBackend, pool: StagingPool, medium: Medium, *, config: ReactorConfig | None = None,
                  sink: LoadSink | None = None, source: StoreSource | None = None,
-                 on_job_done: Callable[[JobResult], None] | None = None) -> None:
+                 on_job_done: Callable[[JobResult], None] | None = None, keys: KeyRing | None = None) -> None:
         self.config = config or ReactorConfig()
         if self.config.verify not in ("full", "header"):
             raise ValueError(f"verify must be 'full' or 'header', got {self.config.verify!r}")
@@ -70,8 +73,10 @@ class Reactor(LoadSteps, StoreSteps):
         self._staged = getattr(source, "staged", None)  # StoreSource's optional hook
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
                                     max_speculative=self.config.max_speculative, lanes=lanes)
-        self._verifier = PayloadVerifier(self.config.verify_threads) if self.config.verify == "full" else None
-        self._verifying = 0  # blocks on the verifier threads (their slots must outlive the checks)
+        self.keys = keys  # with a key ring every load is authenticated and every store signed
+        self._verifier = PayloadVerifier(self.config.verify_threads, keys) \
+            if self.config.verify == "full" or keys is not None else None
+        self._hashing = 0  # blocks on the verifier threads (their slots must outlive the hashing)
         self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
         self._transfers: dict[int, TransferState] = {}
@@ -162,7 +167,7 @@ class Reactor(LoadSteps, StoreSteps):
                 self._inbox.popleft()()
             self._perform(self.policy.step())
             self._note_high_water()
-            if self._stopping and self.backend.in_flight == 0 and not self._verifying and not self._inbox:
+            if self._stopping and self.backend.in_flight == 0 and not self._hashing and not self._inbox:
                 return
             if self._inbox:
                 continue

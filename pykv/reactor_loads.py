@@ -166,13 +166,13 @@ class LoadSteps:
     def _verify(self, tid: int, t: TransferState) -> None:
         """Hand the payload to the verifier threads; the I/O depth is free meanwhile, the slot held."""
         self.policy.io_done(tid)
-        self._verifying += 1
+        self._hashing += 1
         payload = self.pool.payload_view(t.slot, t.header.payload_length)
-        self._verifier.submit(t.header, payload, t.block.path,
+        self._verifier.submit(t.header, self.pool.view(t.slot)[:HEADER_SIZE], payload, t.block.path,
                               lambda failure: self._post(lambda: self._on_verified(tid, failure)))
 
     def _on_verified(self, tid: int, failure: BlockFailure | None) -> None:
-        self._verifying -= 1
+        self._hashing -= 1
         self._read_checked(tid, self._transfers[tid], failure, verifying=True)
 
     def _read_checked(self, tid: int, t: TransferState, error: BlockFailure | None, *,

@@ -1,5 +1,6 @@
 """The reactor's store steps: the source fills a slot, the reactor seals it (header in front of
-the payload), writes it to the medium's temporary file and has the medium publish it.
+the payload; with a key ring, signed on the verifier threads), writes it to the medium's
+temporary file and has the medium publish it.
 
 A mixin of ``Reactor`` (reactor thread only): it shares the reactor's transfers, policy,
 pool, backend and medium.
@@ -8,10 +9,11 @@ pool, backend and medium.
 from __future__ import annotations
 
 from pykv.failures import BlockFailure, Step, os_failure
-from pykv.format import HEADER_SIZE, build_header, encode_header
+from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
 from pykv.reactor_types import FillRequest, StoreBlock, TransferState
+from pykv.reactor_verify import seal_header
 
 
 class StoreSteps:
@@ -31,19 +33,30 @@ class StoreSteps:
         t = self._transfers[tid]
         if not ok:
             self._fail(t, BlockFailure(Step.FILL, detail="the source could not fill the slot"))
-        else:
-            self._seal(t)
-        self.policy.filled(tid, ok)
-        if ok and self._staged is not None:
-            self._staged(t.job.result.job, t.index)
+            self._sealed(tid, t, None)
+            return
+        head = self.pool.view(t.slot)[:HEADER_SIZE]
+        payload = self.pool.payload_view(t.slot, t.block.geometry.payload_length)
+        if self.keys is None:  # the checksum alone: here (xxh3 is fast)
+            self._sealed(tid, t, seal_header(t.block, head, payload, None))
+            return
+        self._hashing += 1  # checksum and MAC: on the verifier threads, beside the I/O
+        self._verifier.seal(t.block, head, payload, lambda header: self._post(lambda: self._on_signed(tid, header)))
 
-    def _seal(self, t: TransferState) -> None:
-        """Put the header of a filled store block into its slot: the slot now holds the whole block."""
-        block = t.block
-        payload = self.pool.payload_view(t.slot, block.geometry.payload_length)
-        t.header = build_header(block.namespace, block.key, block.geometry, payload)
-        encode_header(t.header, self.pool.view(t.slot))
-        t.expected = t.header.file_size
+    def _on_signed(self, tid: int, header: BlockHeader | None) -> None:
+        self._hashing -= 1
+        t = self._transfers[tid]
+        if header is None:
+            self._fail(t, BlockFailure(Step.FILL, detail="signing the block failed"))
+        self._sealed(tid, t, header)
+
+    def _sealed(self, tid: int, t: TransferState, header: BlockHeader | None) -> None:
+        """The slot of a filled store holds the whole block, header in front (``header`` None: failed)."""
+        if header is not None:
+            t.header, t.expected = header, header.file_size
+        self.policy.filled(tid, header is not None)
+        if header is not None and self._staged is not None:
+            self._staged(t.job.result.job, t.index)
 
     def _start_write(self, tid: int) -> IoRequest | None:
         """The open of the block's temporary file (None when the medium refused the store)."""

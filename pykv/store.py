@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol, Sequence
 
+from pykv.auth import load_key_ring
 from pykv.config import PykvConfig
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
@@ -131,16 +132,17 @@ def io_engine_for(io_engine: str, lanes: int) -> str:
 
 def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, client: object,
                   on_job_done: Callable[[JobResult], None] | None = None) -> Reactor:
-    """The medium, the I/O backend and the reactor for ``config``: the one place they are built (the
-    store and ``pykv bench`` both call it). ``on_job_done=None``: results are kept for ``wait_for``."""
+    """The medium, the I/O backend and the reactor for ``config`` (with the key ring of
+    ``auth_key_file``): the one place they are built (the store and ``pykv bench`` both call it). ``on_job_done=None``: results are kept for ``wait_for``."""
     medium = open_store_medium(devices, direct=devices_take_direct(devices))
     reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
                                    read_segment=config.read_segment_bytes, verify_threads=config.verify_threads)
     backend = open_backend(io_engine_for(config.io_engine, medium.lanes),
                            depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes), directory=devices[0].root)
+    keys = load_key_ring(config.auth_key_file) if config.auth_key_file else None
     return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
-                   on_job_done=on_job_done)
+                   on_job_done=on_job_done, keys=keys)
 
 
 class BlockStore:

@@ -510,3 +510,32 @@ def test_every_load_job_counts_its_wall_time_and_bytes_from_dram_and_from_disk(r
     assert block > 0 and worker.counters["load_job_bytes"] == 2 * block  # one block from DRAM, one from disk
     assert worker.counters["load_jobs"] == 2
     assert 0 < worker.counters["load_job_max_us"] <= worker.counters["load_job_us"]
+
+
+def test_with_a_key_stores_through_dram_are_signed_and_a_fresh_worker_loads_them(rig, tmp_path):
+    """auth_key_file: a store through DRAM slots is sealed and signed on the verifier threads before
+    it is released; its files are signed (v2, the write key's id) and load from disk in a new pair."""
+    from pykv.auth import write_key_file
+    from pykv.blockfile import read_header
+    write_key_file(tmp_path / "keys", {"k1": bytes(range(32))})
+    manager, worker, kv = rig(dram_bytes="2M", auth_key_file=str(tmp_path / "keys"))
+    ctx = ReqContext("r")
+    ks = keys(3, salt=4)
+    store_through_dram(manager, worker, kv, ks, ctx, 9)
+    for k in ks:
+        assert read_header(worker.devices[0].block_path(worker.namespace.id, k)).key_id == b"k1"
+    manager, worker, kv = rig(auth_key_file=str(tmp_path / "keys"))
+    spec = manager.prepare_load(ks, ctx)
+    worker.submit_load(2, spec, GPULoadStoreSpec(list(range(40, 52)), [12], [0]))
+    failed, _ = run(worker, 2)
+    assert not failed and worker.counters["load_blocks_disk"] == 3
+    assert all(bool((layer[40:52] == 9).all()) for layer in kv)
+
+
+def test_a_manager_refuses_to_start_with_a_key_file_others_may_read(tmp_path):
+    from pykv.auth import KeyFileError, write_key_file
+    write_key_file(tmp_path / "keys", {"k1": bytes(range(32))})
+    os.chmod(tmp_path / "keys", 0o604)
+    config = offloading_config(str(tmp_path / "tree"), auth_key_file=str(tmp_path / "keys"))
+    with pytest.raises(KeyFileError, match="kv_connector_extra_config.auth_key_file .*: mode 0604"):
+        PykvManager(config, PykvConfig.from_extra_config(config.extra_config))

@@ -12,8 +12,8 @@ STORE_STEPS = {Step.MKDIR, Step.OPEN_FOR_WRITE, Step.WRITE, Step.FSYNC, Step.PUB
 
 
 @pytest.mark.parametrize("step", list(Step))
-def test_only_a_failed_check_is_corruption(step):
-    assert BlockFailure(step, errno.EIO).corrupt is (step is Step.CHECK)
+def test_only_a_failed_check_or_authentication_is_corruption(step):
+    assert BlockFailure(step, errno.EIO).corrupt is (step in (Step.CHECK, Step.AUTH))
 
 
 @pytest.mark.parametrize("step", list(Step))

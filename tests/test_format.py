@@ -148,7 +148,7 @@ def test_header_bit_flip_is_detected(offset, bit):
         assert isinstance(info.value, ChecksumError)
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
 def test_other_version_with_valid_checksum_is_a_format_error_naming_the_version(version):
     data = bytearray(encoded())
     struct.pack_into("<H", data, 8, version)
@@ -250,3 +250,34 @@ def test_file_size(length, expected):
 
 def test_geometry_payload_length():
     assert Geometry(tokens=16, segments=64, segment_bytes=32768).payload_length == 64 * 32768
+
+
+# -- signed headers (v2) -----------------------------------------------------------------------
+
+def test_a_signed_header_round_trips_with_its_key_id_and_mac():
+    header = make_header(key_id=b"2026-12")
+    header = BlockHeader(header.namespace, header.key, header.geometry, header.payload_checksum, header.created_ns,
+                         header.key_id, bytes(range(32)))
+    data = encoded(header)
+    assert struct.unpack_from("<H", data, 8) == (2,) and data[160:176] == b"2026-12".ljust(16, b"\0")
+    assert data[176:208] == bytes(range(32)) and not any(data[208:])
+    assert decode_header(data) == header and decode_header(data).signed and decode_header(data).version == 2
+
+
+@pytest.mark.parametrize("key_id", [b"", b"k\0x", b"k/1", b"\xff"])
+def test_a_signed_header_with_a_bad_key_id_is_refused(key_id):
+    data = bytearray(encoded(make_header(key_id=b"k1")))
+    data[160:176] = key_id.ljust(16, b"\0")
+    with pytest.raises(FormatError, match="bad key id"):
+        decode_header(bytes(data))
+
+
+def test_an_unsigned_header_with_bytes_where_a_signed_one_has_its_mac_is_refused():
+    data = bytearray(encoded())
+    data[176] = 1
+    with pytest.raises(FormatError, match="reserved header bytes"):
+        decode_header(bytes(data))
+    signed = bytearray(encoded(make_header(key_id=b"k1")))
+    signed[208] = 1
+    with pytest.raises(FormatError, match="reserved header bytes"):
+        decode_header(bytes(signed))

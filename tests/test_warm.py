@@ -116,6 +116,11 @@ def test_settings_and_engine_args_are_checked_before_the_engine_starts(tmp_path)
     assert result.exit_code == 2 and "--engine-arg model" in result.output
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--engine-arg", "noequals")
     assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
+    keys = tmp_path.parent / "keys"
+    keys.write_text(f"k1 {bytes(32).hex()}\n")
+    keys.chmod(0o640)
+    result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", f"auth_key_file={keys}")
+    assert result.exit_code == 2 and f"--set auth_key_file {keys}: mode 0640" in result.output
     result = invoke("warm", path, "--model", "m", "--root", path.parent)  # holds p.jsonl: not a tree
     assert result.exit_code == 2 and "not a pykv tree and not empty" in result.output
     assert not tmp_path.exists()
@@ -244,3 +249,30 @@ def test_warm_over_a_device_set_places_every_block_and_a_re_run_finds_them(tmp_p
     assert again["chunks_stored"] == 0 and again["chunks_present"] == EXPECTED_BLOCKS
     shown = json.loads(invoke("inspect", *roots, "--json").stdout)
     assert shown["files"] == EXPECTED_BLOCKS and shown["unreachable_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_warm_with_a_key_file_stores_signed_blocks(tmp_path):
+    """``pykv warm --set auth_key_file=FILE``: its engine signs every block with the file's write key;
+    blocks an earlier keyless warm left unsigned are not taken as present: they are stored again, signed."""
+    pytest.importorskip("vllm")
+    import os
+    from pykv.auth import write_key_file
+    from pykv.jobs.tiny_model import make_tiny_llama
+    model = make_tiny_llama(tmp_path / "model")
+    write_key_file(tmp_path / "keys", {"warm-1": bytes(range(32))})
+    prompts = write(tmp_path / "prompts.jsonl", [json.dumps(p) for p in PROMPTS])
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    root = tmp_path / "tree"
+    unsigned = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE))
+    assert unsigned["chunks_stored"] == EXPECTED_BLOCKS
+    stored = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE,
+                            "--set", f"auth_key_file={tmp_path / 'keys'}"))
+    assert stored["chunks_stored"] == EXPECTED_BLOCKS and stored["chunks_missing"] == 0
+    assert stored["chunks_unsigned"] == EXPECTED_BLOCKS  # quarantined, stored again signed
+    assert len(list((root / ".pykv" / "quarantine").rglob("*.kv"))) == EXPECTED_BLOCKS
+    again = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE, "--dry-run",
+                           "--set", f"auth_key_file={tmp_path / 'keys'}"))
+    assert again["chunks_stored"] == 0 and again["chunks_present"] == EXPECTED_BLOCKS
+    checked = json.loads(invoke("fsck", root, "--key-file", tmp_path / "keys", "--json").stdout)
+    assert checked["auth"] == {"signed": EXPECTED_BLOCKS, "unsigned": 0, "foreign-key": 0, "bad-mac": 0}

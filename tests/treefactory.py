@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+from pykv.auth import KeyRing
 from pykv.blockfile import write_block
 from pykv.format import Geometry
 from pykv.namespace import Namespace
@@ -30,10 +31,11 @@ def key(i: int) -> bytes:
 
 
 def add_block(tree: KVTree, k: bytes, *, namespace: Namespace = NS, published_ago: float = 2 * HOUR,
-              accessed_ago: float | None = None) -> Path:
-    """Write and publish a block; set its mtime (publication) and atime (last access) in the past."""
+              accessed_ago: float | None = None, keys: KeyRing | None = None) -> Path:
+    """Write and publish a block (signed with ``keys``); set its mtime (publication) and atime (last
+    access) in the past."""
     payload = bytes((k[-1] + i) % 256 for i in range(GEOMETRY.payload_length))
-    assert write_block(tree, namespace.id, k, GEOMETRY, payload)
+    assert write_block(tree, namespace.id, k, GEOMETRY, payload, keys=keys)
     path = tree.block_path(namespace.id, k)
     now = time.time_ns()
     accessed = published_ago if accessed_ago is None else accessed_ago

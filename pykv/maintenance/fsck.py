@@ -11,6 +11,7 @@ class               meaning                                                     
 ``oversized``       longer than its header says                                       move
 ``bad-header``      bad magic, header checksum, version, fields or reserved bytes     move
 ``bad-checksum``    payload does not match the header's checksum                      move
+``bad-mac``         (``--key-file``) signed with a key of the file, MAC does not match move
 ``misplaced``       a sound block under the wrong name or namespace for its header    move
 ``unreadable``      the block cannot be opened or read (permissions, I/O error)       move
 ==================  ================================================================  ==========
@@ -31,6 +32,11 @@ could race a writer that just created it (``KVTree.ensure_parent``) and make its
 write fail. Block reads use ``O_NOATIME`` (``pykv.io.safe_paths``): fsck does not
 change what gc considers recently used.
 
+With a key ring (``pykv fsck --key-file``) every sound block is also authenticated and
+counted by class (``FsckReport.auth``: ``signed``, ``unsigned``, ``foreign-key``,
+``bad-mac``); only ``bad-mac`` is a problem: an unsigned block or one signed with a key id
+the file does not hold is not damage (an engine with the key refuses it as a miss).
+
 Over a device set (``fsck_devices``) each device is checked as a tree of its own and
 reported on its own; a sound block on a device other than the one the set's placement
 picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it
@@ -48,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pykv.auth import AuthStatus, KeyRing
 from pykv.blockfile import check_block, read_header
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
@@ -67,6 +74,7 @@ class Problem(str, enum.Enum):
     OVERSIZED = "oversized"
     BAD_HEADER = "bad-header"
     BAD_CHECKSUM = "bad-checksum"
+    BAD_MAC = "bad-mac"
     MISPLACED = "misplaced"
     UNREADABLE = "unreadable"
 
@@ -107,6 +115,7 @@ class FsckReport:
     device_id: str | None = None  # the tree's identity, when checked as a device of a set
     unreachable_blocks: int = 0  # sound blocks on a device the set does not look on (``placement``)
     unreachable_bytes: int = 0
+    auth: Counter[str] | None = None  # with a key ring: sound blocks by ``AuthStatus`` value
 
     @property
     def counts(self) -> dict[str, int]:
@@ -130,29 +139,40 @@ class FsckReport:
                 "moved": [f.path for f in self.moved], "quarantine": self.quarantine,
                 "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
                 "clean": self.clean,
+                **({} if self.auth is None else {"auth": {status.value: self.auth[status.value]
+                                                          for status in AuthStatus}}),
                 **({} if self.device_id is None else {
                     "id": self.device_id, "unreachable_blocks": self.unreachable_blocks,
                     "unreachable_bytes": self.unreachable_bytes})}
 
 
-def check_block_file(tree: KVTree, path: str) -> tuple[Problem, str] | None:
-    """The problem with the block file at ``path``, or None if it is sound and in place.
+def check_block_file(tree: KVTree, path: str, keys: KeyRing | None = None) -> tuple[Problem, str] | None:
+    """The problem with the block file at ``path``, or None if it is sound and in place (and, with
+    ``keys``, not signed with a key of the ring under a wrong MAC).
 
     Raises ``FileNotFoundError`` if the file vanished.
     """
+    return _inspect_block_file(tree, path, keys)[0]
+
+
+def _inspect_block_file(tree: KVTree, path: str,
+                        keys: KeyRing | None) -> tuple[tuple[Problem, str] | None, AuthStatus | None]:
+    """``check_block_file`` and, for a sound block with ``keys``, what the ring says of it."""
     try:
-        checked = check_block(Path(path))
+        checked = check_block(Path(path), keys=keys)
     except FormatError as exc:
-        return _classify_damage(path, exc)
+        return _classify_damage(path, exc), None
     except FileNotFoundError:
         raise
     except OSError as exc:
-        return Problem.UNREADABLE, str(exc)
+        return (Problem.UNREADABLE, str(exc)), None
     header = checked.header
     expected = tree.block_path(header.namespace.hex(), header.key)
     if str(expected) != path:
-        return Problem.MISPLACED, f"header says it belongs at {relative(tree, expected)}"
-    return None
+        return (Problem.MISPLACED, f"header says it belongs at {relative(tree, expected)}"), None
+    if checked.auth is AuthStatus.BAD_MAC:
+        return (Problem.BAD_MAC, f"{checked.auth.reason} (key {header.key_id.decode()})"), checked.auth
+    return None, checked.auth
 
 
 def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
@@ -168,9 +188,14 @@ def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
     return Problem.BAD_CHECKSUM, exc.reason
 
 
-def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int) -> tuple[Problem, str] | None:
+def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int,
+                 keys: KeyRing | None = None) -> tuple[tuple[Problem, str] | None, AuthStatus | None]:
     if entry.kind is Kind.BLOCK:
-        return check_block_file(tree, entry.path)
+        return _inspect_block_file(tree, entry.path, keys)
+    return _check_other(entry, min_temp_mtime_ns), None
+
+
+def _check_other(entry: Entry, min_temp_mtime_ns: int) -> tuple[Problem, str] | None:
     if entry.kind is Kind.TEMP:
         if entry.mtime_ns < min_temp_mtime_ns:
             age = (time.time_ns() - entry.mtime_ns) / 1e9
@@ -182,28 +207,33 @@ def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int) -> tuple[Pr
     return None
 
 
-def fsck_devices(devices: DeviceSet, *, grace_s: float = DEFAULT_GRACE_S) -> list[FsckReport]:
+def fsck_devices(devices: DeviceSet, *, grace_s: float = DEFAULT_GRACE_S,
+                 keys: KeyRing | None = None) -> list[FsckReport]:
     """``fsck`` of every device of a set, each report with the device's identity and the count of
     its sound blocks the set cannot reach (never a problem: ``pykv.maintenance.placement``)."""
     reports = []
     for index, tree in enumerate(devices):
-        report = fsck(tree, grace_s=grace_s, reachable=lambda path, i=index: is_reachable(devices, i, path))
+        report = fsck(tree, grace_s=grace_s, reachable=lambda path, i=index: is_reachable(devices, i, path),
+                      keys=keys)
         report.device_id = tree.identity
         reports.append(report)
     return reports
 
 
 def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
-         reachable: Callable[[str], bool] | None = None) -> FsckReport:
+         reachable: Callable[[str], bool] | None = None, keys: KeyRing | None = None) -> FsckReport:
     """Walk the whole tree (no catalog) and check every entry; block files in full. ``reachable``:
-    whether a sound block's path is where its set looks for it (counted in ``unreachable_*``)."""
-    report = FsckReport(root=str(tree.root))
+    whether a sound block's path is where its set looks for it (counted in ``unreachable_*``).
+    ``keys``: authenticate every block too and count the classes in ``auth``."""
+    report = FsckReport(root=str(tree.root), auth=None if keys is None else Counter())
     min_temp_mtime_ns = time.time_ns() - int(grace_s * 1e9)
     for entry in walk(tree):
         try:
-            found = _check_entry(tree, entry, min_temp_mtime_ns)
+            found, status = _check_entry(tree, entry, min_temp_mtime_ns, keys)
         except FileNotFoundError:
             continue
+        if report.auth is not None and status is not None:
+            report.auth[status.value] += 1
         if entry.kind is Kind.BLOCK:
             report.blocks_checked += 1
             report.bytes_checked += entry.size
@@ -218,11 +248,11 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
     return report
 
 
-def repair(tree: KVTree, report: FsckReport) -> FsckReport:
+def repair(tree: KVTree, report: FsckReport, keys: KeyRing | None = None) -> FsckReport:
     """Fix what ``report`` found: delete pykv's stale temps, move everything else to quarantine.
 
-    Damaged blocks are checked again first, so a block replaced by a sound one
-    since the check is left alone. Updates and returns ``report`` (``deleted`` and
+    Damaged blocks are checked again first (with ``keys``, the ring ``fsck`` used), so a block
+    replaced by a sound one since the check is left alone. Updates and returns ``report`` (``deleted`` and
     ``moved`` say which entry went where).
     """
     run = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
@@ -235,7 +265,7 @@ def repair(tree: KVTree, report: FsckReport) -> FsckReport:
                 report.deleted.append(finding)
             else:
                 if finding.problem not in (Problem.STALE_TEMP, Problem.FOREIGN) \
-                        and check_block_file(tree, path) is None:
+                        and check_block_file(tree, path, keys) is None:
                     report.repaired.append(finding)
                     continue
                 tree.quarantine(path, run)
