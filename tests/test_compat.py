@@ -26,11 +26,11 @@ HASH_ALGO = "sha256"
 TOKENS_PER_HASH = 32
 
 
-def vllm_request(tokens: list[int]) -> Request:
+def vllm_request(tokens: list[int], cache_salt: str | None = None) -> Request:
     """A request as vLLM's scheduler sees it, its block hashes computed by vLLM."""
     hash_fn = compat.hash_fn_by_name(HASH_ALGO)
     init_none_hash(hash_fn)
-    return Request("r", tokens, SamplingParams(max_tokens=1), None,
+    return Request("r", tokens, SamplingParams(max_tokens=1), None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(TOKENS_PER_HASH, hash_fn))
 
 
@@ -71,6 +71,18 @@ def test_prompt_offload_keys_hash_a_prompt_as_the_scheduler_does():
     assert keys(tokens) == chunk_major(per_group)
     assert keys(tokens) == [per_group[0][0], per_group[1][0], per_group[0][1], per_group[1][1],
                             per_group[0][2], per_group[1][2]]
+
+
+def test_the_offload_keys_carry_the_cache_salt_in_every_chunk():
+    """vLLM mixes ``cache_salt`` into the first block hash and chains the rest from it: no offload key
+    of a salted prompt is one of the same prompt's under another salt or none (docs/security.md)."""
+    tokens = prompt(1000, seed=5)
+    keys = {salt: vllm_offload_keys(vllm_request(tokens, salt), [(0, 8)])[0] for salt in (None, "a", "b")}
+    assert all(len(k) == 3 for k in keys.values())
+    assert len(set(keys[None]) | set(keys["a"]) | set(keys["b"])) == 9
+    assert keys["a"] == vllm_offload_keys(vllm_request(tokens, "a"), [(0, 8)])[0]  # the same salt: the same keys
+    salted = vllm_request(tokens, "a")
+    assert chunk_offload_keys(salted.block_hashes, 8, 0) == keys["a"]  # what the connector hands the manager
 
 
 def test_chunk_major_takes_chunk_i_of_every_group_before_chunk_i_plus_one():

@@ -3,8 +3,9 @@
 usage: python driver.py PLAN.json RESULT.json
 
 PLAN: {"model": dir, "kv_transfer_config": {...} | null, "steps": [...]}; each step:
-  {"op": "generate", "name": str, "prompts": [[token ids], ...], "max_tokens": 8}
+  {"op": "generate", "name": str, "prompts": [[token ids], ...], "max_tokens": 8, "cache_salt": str}
       -> results[name] = [{"tokens": [...], "num_cached_tokens": n}, ...]
+      (``cache_salt``, optional: vLLM's per-request salt, given with every prompt of the step)
   {"op": "settle", "stats": path, "timeout": s}  wait until the worker's counter file
       (``pykv.counters``) shows no transfer in flight and stops changing (stores are deferred and async)
   {"op": "snapshot", "name": str, "stats": path}  results[name] = the counter files, by role
@@ -119,7 +120,9 @@ def main(plan_path: str, result_path: str) -> None:
         op = step["op"]
         if op == "generate":
             params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+            salt = {"cache_salt": step["cache_salt"]} if step.get("cache_salt") else {}
+            outputs = llm.generate([{"prompt_token_ids": p, **salt} for p in step["prompts"]], params,
+                                   use_tqdm=False)
             results[step["name"]] = [{"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
                                       **({"blocks": pages.of(o.request_id)} if pages else {})}
                                      for o in outputs]
