@@ -157,6 +157,60 @@ def test_a_foreign_entry_at_the_lease_name_is_refused_and_left_alone(tree, tmp_p
     assert other.read_text() == "{}"
 
 
+def test_a_lease_caught_mid_publish_is_read_once_its_temp_link_is_gone(tree):
+    """A contender that loses the link race may stat the lease between the winner's link and
+    its temp's unlink (two links): it waits for the temp to go instead of refusing the lease."""
+    assert Lease(tree, "winner", ttl_s=TTL).acquire()
+    temp = tree.state_dir / f"{LEASE_NAME}.tmp-mid-publish"
+    os.link(lease_path(tree), temp)
+    unlinker = threading.Timer(0.3, temp.unlink)
+    unlinker.start()
+    try:
+        assert not Lease(tree, "loser", ttl_s=TTL).acquire()
+        assert read_lease(tree).holder == "winner"
+    finally:
+        unlinker.join()
+
+
+def test_a_second_link_that_outlives_a_publish_is_refused(tree, monkeypatch):
+    from pykv.maintenance import lease as lease_module
+    monkeypatch.setattr(lease_module, "PUBLISH_SETTLE_S", 0.2)
+    assert Lease(tree, "winner", ttl_s=TTL).acquire()
+    os.link(lease_path(tree), tree.state_dir / "kept-link")
+    started = time.monotonic()
+    with pytest.raises(LeaseRefused, match="not a lease pykv wrote"):
+        read_lease(tree)
+    assert time.monotonic() - started < 2  # bounded: never waits on a link that stays
+
+
+def contend_in_process(root: str, holder: str, start, results) -> None:
+    try:
+        lease = Lease(KVTree.open(root), holder, ttl_s=TTL)
+        start.wait(timeout=60)
+        results.put((holder, lease.acquire(), ""))
+    except Exception as exc:  # noqa: BLE001
+        results.put((holder, False, repr(exc)))
+
+
+def test_processes_racing_for_a_free_lease_never_see_a_publish_as_foreign(tmp_path):
+    """Separate processes (no shared GIL) race for a free lease, round after round: one wins each
+    round, and no loser mistakes the winner's publish in flight for a foreign file."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(15):
+        tree = KVTree.create(tmp_path / f"round{round_}")
+        start, results = ctx.Barrier(4), ctx.Queue()
+        processes = [ctx.Process(target=contend_in_process, args=(str(tree.root), f"p{i}", start, results))
+                     for i in range(4)]
+        for process in processes:
+            process.start()
+        reports = [results.get(timeout=60) for _ in processes]
+        for process in processes:
+            process.join(timeout=30)
+        assert [error for _, _, error in reports] == [""] * 4
+        assert sum(won for _, won, _ in reports) == 1
+
+
 def test_a_file_that_is_no_lease_expires_by_its_mtime(tree):
     tree.ensure_state_dir()
     lease_path(tree).write_bytes(b"\x00garbage")

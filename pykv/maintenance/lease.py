@@ -26,9 +26,9 @@ sees wrong data (a deleted block is a miss). Expiries compare the holder's clock
 the reader's: node clocks must agree within the time to live (NTP; ``pykv doctor``).
 
 A lease file that is not a regular file with one link (a planted link, FIFO or
-directory) is never touched: the lease is refused (``LeaseRefused``) until ``pykv
-fsck`` has dealt with it. A regular file at the lease's name that does not parse
-expires by its mtime.
+directory; a second hard link that outlives a publish) is never touched: the lease is
+refused (``LeaseRefused``) until ``pykv fsck`` has dealt with it. A regular file at the
+lease's name that does not parse expires by its mtime.
 """
 
 from __future__ import annotations
@@ -169,9 +169,8 @@ def read_lease(tree: KVTree) -> LeaseState | None:
 
 def _read(fd: int, name: str = LEASE_NAME) -> LeaseState | None:
     """The lease at ``name`` in the state dir ``fd``; None if there is none."""
-    try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
+    st = _settled_stat(fd, name)
+    if st is None:
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         raise LeaseRefused(errno.EEXIST, "not a lease pykv wrote (a link, FIFO, directory or hard-linked file); "
@@ -185,6 +184,26 @@ def _read(fd: int, name: str = LEASE_NAME) -> LeaseState | None:
     except UnsafePathError as exc:  # replaced by something else, or too large, since the stat
         raise LeaseRefused(exc.errno, exc.strerror, f"{STATE_DIR}/{name}") from None
     return _parse(raw, mtime)
+
+
+PUBLISH_SETTLE_S = 2.5  # a publisher's temp link lives microseconds; network clients cache attributes ~1 s
+
+
+def _settled_stat(fd: int, name: str) -> os.stat_result | None:
+    """``name``'s lstat once a publisher's second link is gone: a regular file with two links is
+    a lease being published (linked, its temp not yet unlinked) or a client's cached attributes,
+    so it is stat'ed again for up to ``PUBLISH_SETTLE_S`` before it counts as a foreign file."""
+    deadline = time.monotonic() + PUBLISH_SETTLE_S
+    pause = 0.005
+    while True:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 2) or time.monotonic() >= deadline:
+            return st
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def _parse(raw: bytes, mtime: float) -> LeaseState:
