@@ -71,16 +71,24 @@ rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
 find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +
 export PYTHONPATH=$SHIM:$WORK/deps:$SITE
 
-# 3. xxhash (pykv's one third-party need on the connector path) if the image lacks it
-if ! python3 -c 'import xxhash' 2>/dev/null; then
-    if ls "$REPO"/.device/extra/xxhash-*.whl >/dev/null 2>&1; then
-        say "installing xxhash from .device/extra"
-        python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$REPO"/.device/extra/xxhash-*.whl \
-            || { echo "h200_run.sh: xxhash install failed" >&2; exit 3; }
-    else
-        echo "h200_run.sh: xxhash missing; carry .device/extra (benchmarks/README.md)" >&2; exit 3
+# 3. pykv's own needs the image may lack, from the wheels carried in .device/extra (one wheel per
+#    missing module, --no-deps: what the image has is never shadowed): xxhash (the connector), blake3
+#    (auth_key_file), sqlite-utils and its pure-Python deps (`pykv bench`, `pykv config`: the commands)
+EXTRA_MODULES="xxhash:xxhash blake3:blake3 sqlite_utils:sqlite_utils sqlite_fts4:sqlite_fts4 tabulate:tabulate
+click_default_group:click_default_group dateutil:python_dateutil pluggy:pluggy click:click"
+for pair in $EXTRA_MODULES; do
+    module=${pair%%:*} wheel=${pair#*:}
+    python3 -c "import $module" 2>/dev/null && continue
+    found=$(ls "$REPO"/.device/extra/"$wheel"-*.whl 2>/dev/null | head -1)
+    if [ -z "$found" ]; then
+        [ "$module" = xxhash ] && { echo "h200_run.sh: xxhash missing; carry .device/extra (benchmarks/README.md)" >&2; exit 3; }
+        say "$module missing and no $wheel wheel in .device/extra: what needs it is skipped"
+        continue
     fi
-fi
+    say "installing $module from .device/extra"
+    python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$found" \
+        || { echo "h200_run.sh: $module install failed" >&2; exit 3; }
+done
 
 # 4. fail fast if the connector does not import against this vLLM
 if ! (cd "$WORK" && PYTHONPATH=$REPO/benchmarks:$PYTHONPATH python3 -c \

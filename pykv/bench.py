@@ -169,10 +169,11 @@ class _ZeroSource:
 
 
 def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, block_size: int, depth: int,
-                verify: str = "header", read_segment: int = 0, device: str | None = None) -> list[BenchResult]:
+                verify: str = "header", read_segment: int = 0, device: str | None = None,
+                auth_key_file: str | None = None) -> list[BenchResult]:
     """Store then load ``size // block_size`` block files through the reactor. Several directories:
     a temp tree in each, one ``DeviceSet`` (blocks placed as an engine's are), ``size`` per device
-    and ``depth`` in flight per device."""
+    and ``depth`` in flight per device. ``auth_key_file``: stores signed, loads authenticated."""
     directories = [directory] if isinstance(directory, Path) else list(directory)
     payload = block_size - HEADER_SIZE
     geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
@@ -189,7 +190,7 @@ def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, blo
     pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots))
     source = _ZeroSource()
     settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
-                          read_segment_bytes=read_segment)
+                          read_segment_bytes=read_segment, auth_key_file=auth_key_file)
     reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
     keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size * len(roots))]
     medium = reactor.medium

@@ -209,6 +209,36 @@ def test_a_device_that_fails_stops_the_pass_instead_of_leaving_the_others_waitin
         together([good, dirs[1] / "missing.dat"], "read", engine="threadpool", size=4 << 20, block=1 << 20, depth=2)
 
 
+def test_the_reactor_pass_loads_block_files_over_every_device_in_each_mode_and_leaves_nothing(tmp_path, monkeypatch):
+    """``mbw``'s reactor pass: header, full and authenticated loads of real block files over the set,
+    one record each; the throwaway key and the trees are gone afterwards."""
+    import argparse
+    import tempfile
+
+    from h200bench.multibw import FILE_BLOCK, FILES_WHAT, reactor_files
+    dirs = direct_dirs(tmp_path, 2)
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(keys))
+    results = tmp_path / "r.jsonl"
+    reactor_files(argparse.Namespace(results=str(results), stage="S1", files_size=2 * FILE_BLOCK, files_depth=2),
+                  dirs, ["threadpool"])
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    reads = {r["verify"]: r for r in records if r["what"] == FILES_WHAT}
+    assert sorted(reads) == ["auth", "full", "header"]
+    assert all(r["bytes"] >= 2 * FILE_BLOCK * len(dirs) - FILE_BLOCK and r["gb_per_s"] > 0 for r in reads.values())
+    assert list(keys.iterdir()) == [] and all(list(d.iterdir()) == [] for d in dirs)
+
+
+def test_the_report_shows_the_reactor_pass_beside_the_aggregate():
+    recs = stripe_records() + [{"kind": "bw", "what": "files_read_agg", "medium": "stripe8", "devices": 8,
+                                "engine": "pykv reactor threadpool", "verify": mode, "gb_per_s": gb}
+                               for mode, gb in (("full", 18.0), ("auth", 12.0), ("full", 20.4))]
+    text, _, _ = build_report(recs)
+    assert "8 devices, pykv reactor threadpool, verify=full: 20.40 GB/s = 85% of O_DIRECT" in text
+    assert "8 devices, pykv reactor threadpool, verify=auth: 12.00 GB/s = 50% of O_DIRECT" in text
+
+
 def test_the_calibration_over_several_roots_is_the_calibrate_job_s_own_run(tmp_path):
     from h200bench.interfaces import calibration_over
     from pykv.jobs.calibrate_plan import CalibrationRun

@@ -7,6 +7,12 @@ per device, one job per device). A pass starts for all devices together (a barri
 aggregate is the bytes of all devices over the time until the last device finished; each
 device's own rate is kept beside it. One ``bw`` record per pass, ``what`` =
 ``odirect_read_agg`` (``medium`` = ``stripe{N}`` for N devices).
+
+Then pykv's load path without the GPU copy: the reactor storing and loading real 28 MiB block
+files over all N directories as one device set (``pykv.bench.bench_files``: placement, opens,
+header checks, reads, and with ``verify=full`` the checksums; ``auth``: the MACs of
+``auth_key_file``), per engine and mode, ``what`` = ``files_read_agg`` / ``files_write_agg``. Beside the O_DIRECT aggregate it separates
+what the reads lose from what the copy to the GPU loses in an engine's load.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 from h200bench.util import emit, log
 
 AGG_WHAT = "odirect_read_agg"
+FILES_WHAT = "files_read_agg"
+FILE_BLOCK = 28 << 20  # one 256-token block of the 3B shape
 DEFAULT_CONFIGS = ((4 << 20, 16), (28 << 20, 8))
 """(request bytes, depth per device) of the read passes: the shape the device README measured."""
 
@@ -120,7 +128,54 @@ def mbw_main(a: argparse.Namespace) -> int:
     finally:
         for path in paths:
             path.unlink(missing_ok=True)
+    if a.files_size:
+        reactor_files(a, dirs, engines)
     return 0
+
+
+def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -> None:
+    """The reactor over block files in every directory at once, per engine and verify mode
+    (``auth``: signed stores, authenticated loads with a throwaway key)."""
+    import secrets
+    import tempfile
+
+    size = max(FILE_BLOCK, a.files_size - a.files_size % FILE_BLOCK)
+    key_dir = tempfile.mkdtemp(prefix="pykv-mbw-key-")
+    key_file = os.path.join(key_dir, "auth.keys")
+    modes = ["header", "full"]
+    try:
+        from pykv.auth import write_key_file
+        write_key_file(key_file, {"bench": secrets.token_bytes(32)})
+        modes.append("auth")
+    except ImportError as exc:  # blake3 missing on this host
+        log(f"reactor files: no authenticated pass ({exc})")
+    try:
+        run_reactor_files(a, dirs, engines, size, modes, key_file)
+    finally:
+        for name in os.listdir(key_dir):
+            os.unlink(os.path.join(key_dir, name))
+        os.rmdir(key_dir)
+
+
+def run_reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str], size: int, modes: list[str],
+                      key_file: str) -> None:
+    from pykv.bench import bench_files
+
+    for engine in engines:
+        for mode in modes:
+            verify = "full" if mode == "auth" else mode
+            tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
+                    "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth}
+            try:
+                runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=a.files_depth, verify=verify,
+                                   auth_key_file=key_file if mode == "auth" else None)
+            except Exception as exc:  # noqa: BLE001 - io_uring may be refused
+                log(f"reactor files {len(dirs)} devices {engine} {mode}: {exc!r}")
+                emit(a.results, {**tags, "what": FILES_WHAT, "error": repr(exc)})
+                continue
+            for r in runs:
+                emit(a.results, {**tags, "what": f"files_{r.op}_agg", "bytes": r.bytes, "seconds": round(r.seconds, 4),
+                                 "gb_per_s": round(r.gb_per_s, 3)})
 
 
 def add_mbw_parser(sub) -> None:
@@ -133,3 +188,6 @@ def add_mbw_parser(sub) -> None:
     p.add_argument("--engines", default="io_uring,threadpool")
     p.add_argument("--size", type=int, default=2 << 30, help="bytes of each device's file")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--files-size", type=int, default=1 << 30,
+                   help="reactor block files per device, bytes (0: no reactor pass)")
+    p.add_argument("--files-depth", type=int, default=16, help="reactor: requests in flight per device")
