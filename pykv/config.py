@@ -165,8 +165,8 @@ class PykvConfig:
                                   "Every directory must exist; give `root` or `roots`.", "paths")
     staging_bytes: int | None = _key(_staging, "auto", "Transient staging memory per worker (slots for disk "
                                      "I/O). auto: two slots per read in flight on every device (2 x io_depth x "
-                                     "devices) plus the preload allowance, at most a quarter of the host's "
-                                     "memory.", "size")
+                                     "devices) plus preload_max_bytes when preload is on, at most a quarter of "
+                                     "the host's memory.", "size")
     io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker and device.", "int")
     open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads, per device.", "int")
     read_segment_bytes: int = _key(_segment, 0, "Split each block file's read into parallel reads of this "
@@ -178,8 +178,9 @@ class PykvConfig:
                           "when usable, else the thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
     dram_policy: str = _key(_choice(*DRAM_POLICIES), "lru", "DRAM tier replacement policy.", "str")
-    preload: bool = _key(_bool, True, "Read the stored blocks of requests still waiting in vLLM's queue into "
-                         "staging slots ahead of their scheduling.", "bool")
+    preload: bool = _key(_bool, False, "Read the stored blocks of requests still waiting in vLLM's queue into "
+                         "staging slots ahead of their scheduling (off by default: stock vLLM already loads a "
+                         "request's KV in the background once it is admitted).", "bool")
     preload_look_ahead: int = _key(_positive_int(65536), 8, "Waiting requests (oldest first) whose blocks are "
                                    "preloaded at a time.", "int")
     preload_max_bytes: int = _key(_size, "256M", "Staging memory per worker that preloaded blocks not yet "
@@ -250,7 +251,7 @@ class PykvConfig:
         """Staging slots for disk I/O of blocks of ``slot_bytes`` (``staging_bytes``, or auto)."""
         if self.staging_bytes is not None:
             return self.staging_bytes // slot_bytes
-        wanted = 2 * self.io_depth * len(self.root_paths) + self.preload_max_bytes // slot_bytes
+        wanted = 2 * self.io_depth * len(self.root_paths) + (self.preload_max_bytes // slot_bytes if self.preload else 0)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return max(self.io_depth + 1, min(wanted, memory // 4 // slot_bytes))
 

@@ -162,7 +162,9 @@ def test_auto_staging_grows_with_the_devices():
     slot = 28 << 20
     one = PykvConfig.from_extra_config({"root": "/a"})
     eight = PykvConfig.from_extra_config({"roots": [f"/d{i}" for i in range(8)]})
-    assert one.transient_slots(slot) == 2 * 16 + (256 << 20) // slot
+    assert one.transient_slots(slot) == 2 * 16  # preloading is off by default: no allowance for it
+    preloading = PykvConfig.from_extra_config({"root": "/a", "preload": True})
+    assert preloading.transient_slots(slot) == 2 * 16 + (256 << 20) // slot
     assert eight.transient_slots(slot) > 4 * one.transient_slots(slot) or eight.transient_slots(slot) * slot * 4 >= \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - 4 * slot
     assert PykvConfig.from_extra_config({"roots": ["/a", "/b"], "staging_bytes": "1G"}).transient_slots(slot) == 36

@@ -75,8 +75,8 @@ def engines(work):
                     settle(work, "Q")]
     q_steps += [snap(work, "Q", "end")]
     procs = {"base": start(work, "base", None, base_steps, {**ENGINE, **REFERENCE_ENGINE}),
-             "P": start(work, "P", ktc(work / "treeP"), p_steps, ENGINE),
-             "Q": start(work, "Q", ktc(work / "treeQ", dram_bytes="2M", preload_max_bytes="2M",
+             "P": start(work, "P", ktc(work / "treeP", preload=True), p_steps, ENGINE),
+             "Q": start(work, "Q", ktc(work / "treeQ", dram_bytes="2M", preload=True, preload_max_bytes="2M",
                                        preload_look_ahead=2), q_steps, ENGINE)}
     return {name: finish(*proc, timeout=1500) for name, proc in procs.items()}
 

@@ -32,7 +32,7 @@ def rig(tmp_path):
     made: list[PykvWorker] = []
 
     def make(**extra):
-        config = offloading_config(str(tmp_path / "tree"), io_depth=2, open_ahead=4, **extra)
+        config = offloading_config(str(tmp_path / "tree"), io_depth=2, open_ahead=4, **{"preload": True, **extra})
         pykv = PykvConfig.from_extra_config(config.extra_config)
         caches = kv_caches()
         manager, worker = PykvManager(config, pykv), PykvWorker(config, pykv, caches)
