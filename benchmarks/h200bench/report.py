@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import striping_report
+from h200bench import auth_stage, striping_report
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -155,6 +155,14 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         md.extend(stripes.md)
         summary["striping"] = stripes.summary
         warnings.extend(stripes.warnings)
+    auth = auth_stage.report_lines(records)
+    if auth:
+        text.append("== Issue 20: authenticated loads against verify=full, one device (stage S4) ==")
+        text.extend("  " + line for line in auth)
+        md.append("### Issue 20: authenticated loads against verify=full, one device (stage S4)\n")
+        md.extend(f"- {line}" for line in auth)
+        md.append("")
+        summary["auth"] = auth
     other = [r for r in bws if r.get("what") in ("odirect_read", "odirect_write", "files_read", "files_write",
                                                     "h2d", "d2h")]
     if other:

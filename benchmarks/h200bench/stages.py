@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from h200bench import calibrate_stage, striping
+from h200bench import auth_stage, calibrate_stage, striping
 from h200bench.loop import image_bytes
 from h200bench.runner import Runner
 from h200bench.settings import CHUNK, GIB, WARMUP_TOKENS
@@ -170,3 +170,6 @@ class StageRunner(Runner):
 
     def stage_S3(self) -> None:
         striping.stage_s3(self)
+
+    def stage_S4(self) -> None:
+        auth_stage.stage_s4(self)

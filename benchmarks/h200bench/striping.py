@@ -109,9 +109,11 @@ def aggregate_bandwidth(runner, mnts: list[str]) -> None:
     clear(runner, mnts)
 
 
-def pykv_disk_hits(runner, mnts: list[str], again: str = "") -> None:
+def pykv_disk_hits(runner, mnts: list[str], again: str = "", *, variant: str = "defaults",
+                   extra: dict | None = None) -> None:
     """pykv with ``pykv config``'s defaults over ``mnts``: fill, page cache dropped, fresh query engine
-    (labels ending in ``again`` when the same measurement is repeated: the report pools both)."""
+    (labels ending in ``again`` when the same measurement is repeated: the report pools both).
+    ``extra``: keys added to the defaults, under another ``variant``."""
     name = medium(len(mnts))
     roots = [os.path.join(m, f"pykv-{name}") for m in mnts]
     if not runner.dry:
@@ -119,20 +121,23 @@ def pykv_disk_hits(runner, mnts: list[str], again: str = "") -> None:
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
     ktc = interfaces.pykv_config(runner, roots, medium=name)
-    tags = dict(system="pykv", medium=name, variant="defaults", ktc=ktc, stats=True, docs=runner.loop_docs)
-    fill = runner.engine(f"pykv-{name}-fill{again}", steps=[{"op": "fill"}, {"op": "settle", "timeout": 300}], **tags)
+    ktc["kv_connector_extra_config"].update(extra or {})
+    tags = dict(system="pykv", medium=name, variant=variant, ktc=ktc, stats=True, docs=runner.loop_docs)
+    label = name if variant == "defaults" else f"{name}-{variant}"
+    fill = runner.engine(f"pykv-{label}-fill{again}", steps=[{"op": "fill"}, {"op": "settle", "timeout": 300}], **tags)
     if fill != 0:
-        log(f"pykv {name}: fill failed; query skipped")
+        log(f"pykv {label}: fill failed; query skipped")
         return
     if not runner.dry:
         files = [count_files(root, ".kv") for root in roots]
-        runner.record({"kind": "tree", "stage": runner.stage, "medium": name, "roots": roots, "files": sum(files),
+        runner.record({"kind": "tree", "stage": runner.stage, "medium": name, "variant": variant, "roots": roots,
+                       "files": sum(files),
                        "files_per_device": files,
                        "bytes_expected": tree_bytes(runner.lengths, runner.loop_docs,
                                                     runner.info()["kv_bytes_per_token"])})
         runner.record({"kind": "drop_caches", "stage": runner.stage, "ok": drop_caches()})
     phases = ["query"] * max(1, runner.a.stripe_queries)
-    runner.engine(f"pykv-{name}-query{again}", steps=[{"op": "query", "phases": phases}], **tags)
+    runner.engine(f"pykv-{label}-query{again}", steps=[{"op": "query", "phases": phases}], **tags)
     if not runner.dry and not runner.a.keep_trees:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)

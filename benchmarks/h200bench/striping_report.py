@@ -106,7 +106,7 @@ def build(records: list[dict]) -> Section | None:
         labels = sorted({r["label"] for r in rows if all(r.get(k) == v for k, v in match.items())})
         return [r for label in labels for r in latest_run(rows, label=label, **match)]
 
-    pykv_rows = {n: pooled(ttft, system="pykv", medium=f"stripe{n}") for n in counts}
+    pykv_rows = {n: pooled(ttft, system="pykv", medium=f"stripe{n}", variant="defaults") for n in counts}
     native_rows = [r for r in ttft if r.get("system") == "native_fs" and r.get("medium") == "stripe1"]
     variants = sorted({r["variant"] for r in native_rows}, key=lambda v: (v.endswith("again"), len(v), v))
     native = {v: ttft_rows(system="native_fs", medium="stripe1", variant=v) for v in variants}

@@ -1,0 +1,67 @@
+"""Stage S4 (issue 20): what authenticated blocks cost a disk hit. pykv with ``pykv config``'s
+defaults (``verify=full``) and the same with ``auth_key_file`` (signed stores, MAC-checked loads),
+on device 0 of the stripe set, each a fill engine and a fresh query engine after the page cache
+is dropped; then both again while time allows, so the two variants alternate in one lease. The
+report section compares their disk-hit TTFT per length (target: at most 5 % slower at 80k)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from h200bench import striping
+from h200bench.util import log
+
+VARIANT = "auth"
+TARGET_RATIO = 1.05
+TARGET_LENGTH = 81920
+
+
+def key_file(runner) -> str:
+    """A 0600 key file of one fresh key in the stage's work directory (made once per lease)."""
+    path = str(runner.work / "auth.keys")
+    if not runner.dry and not os.path.exists(path):
+        from pykv.auth import write_key_file
+        write_key_file(path, {"s4": secrets.token_bytes(32)})
+    return path
+
+
+def stage_s4(runner) -> None:
+    mnts = striping.devices(runner)[:1]
+    keys = {"auth_key_file": key_file(runner)}
+    try:
+        for again in ("", "-again"):
+            for variant, extra in (("defaults", None), (VARIANT, keys)):
+                if again and not runner.dry and runner.remaining() < runner.a.optional_min_s + 60:
+                    log(f"pykv {variant}{again}: skipped ({runner.remaining():.0f} s left)")
+                    runner.record({"kind": "skipped", "stage": runner.stage, "label": f"pykv-{variant}{again}",
+                                   "why": "time"})
+                    continue
+                striping.clear(runner, mnts)
+                striping.pykv_disk_hits(runner, mnts, again, variant=variant, extra=extra)
+    finally:
+        striping.finish(runner, mnts)
+
+
+def report_lines(records: list[dict]) -> list[str]:
+    """Disk-hit TTFT with and without a key on one device, per length, and the target at 80k."""
+    from h200bench.report import median
+
+    ttft = [r for r in records if r.get("kind") == "ttft" and r.get("phase") == "query"
+            and r.get("system") == "pykv" and r.get("medium") == "stripe1" and r.get("stage") == "S4"]
+    if not any(r.get("variant") == VARIANT for r in ttft):
+        return []
+    lines = []
+    for length in sorted({r["length"] for r in ttft}):
+        full = median([r["ttft"] for r in ttft if r["length"] == length and r.get("variant") == "defaults"])
+        auth = median([r["ttft"] for r in ttft if r["length"] == length and r.get("variant") == VARIANT])
+        if full is None or auth is None:
+            continue
+        ratio = auth / full
+        target = f" (target <= {TARGET_RATIO:.2f}x): {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}" \
+            if length == TARGET_LENGTH else ""
+        lines.append(f"L={length:,}: verify=full {full:.3f} s, auth_key_file {auth:.3f} s = {ratio:.3f}x{target}")
+    for r in ttft:
+        if r.get("cached") is not None and r["cached"] < r.get("expected_cached", 0):
+            lines.append(f"warning: {r['label']} L={r['length']:,} cached {r['cached']} of {r['expected_cached']} tokens")
+    return lines
