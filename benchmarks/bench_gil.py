@@ -1,0 +1,153 @@
+"""Does pykv's load path slow the Python thread that drives decoding? (issue 19, CPU proxy)
+
+A stand-in for vLLM's model-runner thread takes "decode steps": ``--python-ms`` of pure
+Python (it holds the GIL, as kernel launches in eager mode do) then ``--gpu-ms`` asleep (the
+GIL released, as while the GPU computes). Its step times are measured:
+
+- ``alone``: nothing else runs;
+- ``pykv threads``: pykv's reactor loads ``--block-mib`` blocks over and over in the same
+  process (reactor thread, I/O threads, ``verify`` threads: what shares the engine's GIL);
+- ``pykv process``: the same stream in a child process (it shares the cores, not the GIL).
+
+``pykv threads`` against ``pykv process`` is what the GIL costs; ``pykv process`` against
+``alone`` what the cores cost. The tree is in ``--dir`` (default /dev/shm: every read is a CPU
+copy, as on the H200 host's loop devices). No GPU.
+
+    python benchmarks/bench_gil.py [--seconds 8] [--verify full] [--engine threadpool]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pykv.bench import _ZeroSource  # noqa: E402
+from pykv.config import PykvConfig, root_keys  # noqa: E402
+from pykv.deviceset import DeviceSet  # noqa: E402
+from pykv.format import HEADER_SIZE, Geometry  # noqa: E402
+from pykv.namespace import Namespace  # noqa: E402
+from pykv.reactor import LoadBlock, StoreBlock  # noqa: E402
+from pykv.staging import StagingPool, slot_bytes_for  # noqa: E402
+from pykv.store import build_reactor  # noqa: E402
+from pykv.tree import KVTree  # noqa: E402
+
+
+def python_work(units: int) -> int:
+    total = 0
+    for i in range(units):
+        total += i * i % 7
+    return total
+
+
+def calibrate(ms: float) -> int:
+    """Loop units that take ``ms`` of Python on this machine, alone."""
+    units = 10_000
+    while True:
+        started = time.perf_counter()
+        python_work(units)
+        took = (time.perf_counter() - started) * 1e3
+        if took > 20:
+            return max(1, int(units * ms / took))
+        units *= 2
+
+
+def decode_steps(units: int, gpu_ms: float, seconds: float) -> list[float]:
+    """Step times (ms) of the stand-in decode thread for ``seconds``."""
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        python_work(units)
+        time.sleep(gpu_ms / 1e3)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def load_stream(directory: str, args: argparse.Namespace, stop, loaded) -> None:
+    """Store ``--blocks`` blocks once, then load them through pykv's reactor until ``stop`` is set."""
+    block = args.block_mib << 20
+    payload = block - HEADER_SIZE
+    geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
+    namespace = Namespace("pykv-bench-gil", "uint8", "raw", 256)
+    root = Path(tempfile.mkdtemp(prefix="pykv-gil-", dir=directory))
+    try:
+        devices = DeviceSet([KVTree.create(root)])
+        devices.ensure_namespace(namespace)
+        pool = StagingPool(slot_bytes_for(payload), 2 * args.depth)
+        source = _ZeroSource()
+        settings = PykvConfig(**root_keys([root]), io_engine=args.engine, io_depth=args.depth,
+                              open_ahead=2 * args.depth, verify=args.verify)
+        reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
+        keys = [i.to_bytes(8, "big") * 4 for i in range(args.blocks)]
+        stores = [StoreBlock(reactor.medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
+        loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
+        reactor.submit_store("store", stores)
+        reactor.wait_for("store")
+        rounds = 0
+        while not stop.is_set():
+            reactor.submit_load(rounds, loads)
+            result = reactor.wait_for(rounds)
+            assert not result.failed, result.failed
+            rounds += 1
+            loaded.value += len(loads) * block
+        reactor.close()
+        pool.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(label: str, args: argparse.Namespace, units: int, stream: str | None) -> None:
+    ctx = multiprocessing.get_context("fork")
+    stop, loaded = ctx.Event(), ctx.Value("d", 0.0)
+    runner = None
+    if stream == "thread":
+        runner = threading.Thread(target=load_stream, args=(args.dir, args, stop, loaded), daemon=True)
+    elif stream == "process":
+        runner = ctx.Process(target=load_stream, args=(args.dir, args, stop, loaded), daemon=True)
+    if runner is not None:
+        runner.start()
+        deadline = time.monotonic() + 60
+        while loaded.value == 0 and time.monotonic() < deadline:  # the stream is loading
+            time.sleep(0.05)
+    started, before = time.perf_counter(), loaded.value
+    steps = decode_steps(units, args.gpu_ms, args.seconds)
+    rate = (loaded.value - before) / (time.perf_counter() - started) / 1e9
+    stop.set()
+    if runner is not None:
+        runner.join(timeout=60)
+    steps.sort()
+    p99 = steps[min(len(steps) - 1, int(len(steps) * 0.99))]
+    print(f"  {label:<14} steps {len(steps):5d}  mean {statistics.mean(steps):6.2f} ms  p50 {steps[len(steps) // 2]:6.2f}"
+          f"  p99 {p99:6.2f} ms   pykv loads {rate:5.2f} GB/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--python-ms", type=float, default=1.0)
+    parser.add_argument("--gpu-ms", type=float, default=4.0)
+    parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--block-mib", type=int, default=28)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--verify", default="full", choices=("full", "header"))
+    parser.add_argument("--engine", default="threadpool", choices=("threadpool", "io_uring"))
+    args = parser.parse_args()
+    units = calibrate(args.python_ms)
+    print(f"decode step: {args.python_ms:g} ms of Python + {args.gpu_ms:g} ms asleep; pykv: {args.blocks} blocks of "
+          f"{args.block_mib} MiB in {args.dir}, {args.engine}, depth {args.depth}, verify={args.verify}")
+    for label, stream in (("alone", None), ("pykv threads", "thread"), ("pykv process", "process"), ("alone again", None)):
+        measure(label, args, units, stream)
+
+
+if __name__ == "__main__":
+    main()
