@@ -33,6 +33,9 @@ Stages (each fits in one 10-minute device command; benchmarks/h200_run.sh STAGE)
      pykv disk hits with `pykv config`'s defaults on 8 devices and on 1
   S2 native fs tier on device 0 per --fs-threads setting; the 1-device control again
   S3 `pykv calibrate` over the 8 devices, with the gated sweep
+  T1 tensor parallelism --tp (2), 8B shape: recompute (and vLLM's prefix-cache oracle), pykv
+     fill, a TP=1 probe over the TP=2 tree, fresh TP=2 query engine (disk hits, greedy tokens)
+  T2 vLLM's native fs tier at TP=2: fill, page cache dropped, fresh query engine (T: T1 then T2)
 
 pykv's load bandwidth is bytes / seconds of the request's load jobs (submission
 to the reactor until the last byte is on the GPU), as the worker counts them

@@ -2,7 +2,7 @@
 # benchmarks/h200_run.sh STAGE [options of `h200_connector.py stage`]
 #
 # Runs one stage of the pykv H200 benchmark on the GPU host, from the repository
-# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1, S2, S3, a comma
+# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1, S2, S3, T1, T2, T, a comma
 # list (C,D), all (A-M), report, or setup (install and import check only). See
 # benchmarks/README.md for the device commands.
 #
@@ -23,7 +23,7 @@
 # `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
-STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|C,D|all|report|setup) [stage options]}
+STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|T1|T2|T|C,D|all|report|setup) [stage options]}
 shift
 REPO=$(pwd)
 WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}
@@ -41,6 +41,8 @@ fi
 
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 export PYTHONHASHSEED=0 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# NVLink multicast off (the shared multi-GPU hosts; stage T runs tensor parallel engines)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 
 if [ "$STAGE" = report ]; then
     PYTHONPATH=$REPO python3 benchmarks/h200_connector.py report "$WORK/results.jsonl" --md "$OUTDIR/report.md"

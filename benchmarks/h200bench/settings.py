@@ -57,6 +57,7 @@ LLAMA_3_2_3B = {  # same as shared/device/mk_model.py --config-only (fallback wh
 }
 LLAMA_3_2_3B_KV_BYTES_PER_TOKEN = 114688  # dry runs, where no config is written
 CAL_SHAPES = {"8b": "llama8b", "32b": "qwen32b"}  # calibration shapes besides the 3B (mk_config.py names)
+SHAPE_KV_BYTES_PER_TOKEN = {"3b": LLAMA_3_2_3B_KV_BYTES_PER_TOKEN, "8b": 131072, "32b": 262144}  # dry runs
 
 # -- what the report compares against ------------------------------------------------------------------
 # Anchors measured with the same method (shared/device/README.md), TTFT in seconds.
@@ -80,6 +81,10 @@ STRIPE_TARGETS = {
 ENGINE_ENV = {
     "PYTHONHASHSEED": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+    # NVLink multicast stays off on the shared multi-GPU hosts (the device notes): NCCL, PyTorch's
+    # symmetric memory and NVSHMEM, and vLLM's all-reduce through symmetric memory (TP > 1)
+    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
 }
 
 # -- stages -----------------------------------------------------------------------------------------------
@@ -87,7 +92,9 @@ STAGES = ("A", "B", "C", "D", "L", "K", "M")
 """What ``all`` runs."""
 STRIPE_STAGES = ("S1", "S2", "S3", "S4")
 """Issue 17's stages (``striping``) and issue 20's S4 on the same devices: named on their own, not part of ``all``."""
+TP_STAGES = ("T", "T1", "T2")
+"""Issue 19's stages (``tp_stage``): pykv at tensor parallelism ``--tp``; named on their own."""
 # Seconds the required (non-optional) part of each stage takes on the H200 host, roughly: an
 # optional engine runs only when this much is left for the stages after it.
 STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400, "M": 180,
-                    "S1": 420, "S2": 300, "S3": 420, "S4": 300}
+                    "S1": 420, "S2": 300, "S3": 420, "S4": 300, "T1": 330, "T2": 170, "T": 500}

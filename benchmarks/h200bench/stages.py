@@ -9,6 +9,7 @@ M: DRAM hits side by side: native CPU tier, then pykv with a DRAM tier (one engi
    two DRAM-served queries per document).
 L: loop device bandwidth sweep: request sizes, depths, split reactor reads.
 S1, S2, S3: several loop devices as one pykv cache (``striping``).
+T, T1, T2: pykv at tensor parallelism ``--tp`` against recompute and the native fs tier (``tp_stage``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from h200bench import auth_stage, calibrate_stage, striping
+from h200bench import auth_stage, calibrate_stage, striping, tp_stage
 from h200bench.loop import image_bytes
 from h200bench.runner import Runner
 from h200bench.settings import CHUNK, GIB, WARMUP_TOKENS
@@ -173,3 +174,12 @@ class StageRunner(Runner):
 
     def stage_S4(self) -> None:
         auth_stage.stage_s4(self)
+
+    def stage_T(self) -> None:
+        tp_stage.stage_t(self)
+
+    def stage_T1(self) -> None:
+        tp_stage.stage_t1(self)
+
+    def stage_T2(self) -> None:
+        tp_stage.stage_t2(self)

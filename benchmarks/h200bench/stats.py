@@ -35,6 +35,18 @@ def worker_counters(stats: dict) -> dict[str, int]:
     return total
 
 
+PER_RANK = (WorkerCounter.LOAD_BLOCKS_DISK, WorkerCounter.LOAD_BLOCKS_DRAM, WorkerCounter.LOAD_BLOCKS_FAILED_DISK,
+            WorkerCounter.STORE_PUBLISHED)
+"""Worker counters a record keeps per rank when an engine has more than one worker (TP > 1)."""
+
+
+def rank_deltas(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """``PER_RANK`` deltas of each worker role (``worker0``, ``worker1``, ...) between two snapshots."""
+    roles = sorted(role for role in set(before) | set(after) if role.startswith("worker"))
+    return {role: {str(k): after.get(role, {}).get(k, 0) - before.get(role, {}).get(k, 0) for k in PER_RANK}
+            for role in roles}
+
+
 def busy(stats: dict) -> bool:
     """Whether pykv still has a transfer in flight (a worker job or a pending store)."""
     return any(c.get(WorkerCounter.JOBS_IN_FLIGHT, 0) for role, c in stats.items() if role.startswith("worker")) \
