@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import striping_report
+from h200bench import decode_report, striping_report
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -155,6 +155,12 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         md.extend(stripes.md)
         summary["striping"] = stripes.summary
         warnings.extend(stripes.warnings)
+    itl = decode_report.build(records)
+    if itl:
+        text.extend(itl.text)
+        md.extend(itl.md)
+        summary["itl"] = itl.summary
+        warnings.extend(itl.warnings)
     other = [r for r in bws if r.get("what") in ("odirect_read", "odirect_write", "files_read", "files_write",
                                                     "h2d", "d2h")]
     if other:
