@@ -55,9 +55,9 @@ def build(records: list[dict]) -> Section | None:
         return None
     s = Section()
     any_r = next(iter(latest.values()))
+    lengths = "/".join(f"{x / 1024:g}k" for x in any_r["long_lengths"])
     title = (f"Issue 19: decode ITL beside background stores and loads (stage I: {any_r['decode_seqs']} decodes, "
-             f"{any_r['long_requests']} long prompts of {'/'.join(str(x // 1024) + 'k' for x in any_r['long_lengths'])}"
-             f" tokens every {any_r['long_gap_s']} s, half stored)")
+             f"{any_r['long_requests']} long prompts of {lengths} tokens every {any_r['long_gap_s']} s, half stored)")
     s.text.append(f"== {title} ==")
     s.md.append(f"### {title}\n")
     rows = []
@@ -82,10 +82,16 @@ def build(records: list[dict]) -> Section | None:
                 value = rs[other][stat]
                 if value is None:
                     continue
-                text = f"{part} {stat} ITL pykv / {name} = {value:.3f}x (target <= {limit:.2f}x)"
-                lines.append(text + (f": {verdict(value <= limit)}" if part == "window" else " (overall, context)"))
-    if not lines:
-        lines.append("no ratio yet: pykv and none or native are both needed")
+                if part == "window":
+                    lines.append(f"window {stat} ITL pykv / {name} = {value:.3f}x (target <= {limit:.2f}x): "
+                                 f"{verdict(value <= limit)}")
+                else:
+                    lines.append(f"overall {stat} ITL pykv / {name} = {value:.3f}x (context)")
+    for other in ("none", "native"):
+        if "pykv" in latest and other not in latest:
+            lines.append(f"pykv / {other}: no {other} record (not run, or skipped: native in --cpu-smoke)")
+    if "pykv" not in latest:
+        lines.append("no pykv record: no ratio")
     s.lines("targets (issue 19: window ITL, mean and p99):", lines)
     s.summary = summary
     for system, r in latest.items():
