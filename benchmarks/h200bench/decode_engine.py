@@ -9,8 +9,9 @@ import json
 import time
 from pathlib import Path
 
-from h200bench.decode_workload import decode_prompts, long_stream, stream_window, summarize_decodes, summarize_longs
+from h200bench.decode_workload import decode_prompts, long_stream, stream_window, summarize_decodes
 from h200bench.preload_engine import open_engine
+from h200bench.preload_workload import summarize
 from h200bench.stats import counter_delta, read_stats, worker_counters
 from h200bench.util import emit, log
 
@@ -105,7 +106,7 @@ def itl_main(config_path: str) -> int:
               "long_lengths": cfg["long_lengths"], "long_requests": cfg["long_requests"],
               "long_gap_s": cfg["long_gap_s"], "docs": cfg["docs"], "start_s": round(start_s, 1),
               "wall_s": round(wall, 2), "window": [round(x, 4) for x in window] if window else None,
-              "itl": summarize_decodes(decode_rows, window), "ttft": summarize_longs(long_rows),
+              "itl": summarize_decodes(decode_rows, window), "ttft": summarize(long_rows),
               "decodes": [{k: d[k] for k in ("id", "tokens", "capped")} for d in decode_rows], "longs": long_rows,
               "worker_delta": counter_delta(wb, wa), "scheduler_delta": counter_delta(sb, sa)}
     emit(cfg["results"], record)

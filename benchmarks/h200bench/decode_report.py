@@ -66,9 +66,9 @@ def build(records: list[dict]) -> Section | None:
         itl, t = r["itl"], r["ttft"]
         w, q, o = itl.get("window", {}), itl.get("quiet", {}), itl["overall"]
         rows.append([system, fmt(w.get("mean_ms")), fmt(w.get("p50_ms")), fmt(w.get("p99_ms")), str(w.get("n", 0)),
-                     fmt(q.get("mean_ms")), fmt(o.get("mean_ms")), fmt(o.get("p99_ms")), fmt(itl.get("window_s"), ".1f"),
-                     fmt(itl.get("coverage")), fmt(t["hit"]["mean"], ".3f"), fmt(t["miss"]["mean"], ".3f"),
-                     work_cell(r)])
+                     fmt(q.get("mean_ms")), fmt(o.get("mean_ms")), fmt(o.get("p99_ms")),
+                     fmt(itl.get("window_s"), ".1f"), fmt(itl.get("coverage")), fmt(t["hit"]["mean"], ".3f"),
+                     fmt(t["miss"]["mean"], ".3f"), work_cell(r)])
     s.table("decode inter-token latency, ms (window: while long prompts were in flight; quiet: outside it)",
             ["system", "window mean", "p50", "p99", "tokens", "quiet mean", "overall mean", "overall p99",
              "window s", "coverage", "long TTFT hits s", "misses s", "pykv stored / loaded / preloads claimed"], rows)

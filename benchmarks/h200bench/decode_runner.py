@@ -112,7 +112,7 @@ class DecodeRunner(Runner):
         rc = self.spawn_config(label, "itl", cfg, 360, script=DECODE_ENTRY)
         if self.out and raw.exists():
             self.out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(raw, self.out / f"itl-{label}.json")
+            shutil.copyfile(raw, self.out / raw.name)
         return rc
 
     def drop(self) -> None:

@@ -115,13 +115,3 @@ def summarize_decodes(decodes: list[dict], window: tuple[float, float] | None) -
         out["coverage"] = coverage(decodes, window)
     return out
 
-
-def summarize_longs(longs: list[dict]) -> dict:
-    """Mean and p90 TTFT of the long prompts: all, hits, misses (seconds)."""
-    out = {}
-    for name, rows in (("all", longs), ("hit", [r for r in longs if r["hit"]]),
-                       ("miss", [r for r in longs if not r["hit"]])):
-        values = [r["ttft"] for r in rows]
-        out[name] = {"n": len(values), "mean": round(statistics.fmean(values), 4) if values else None,
-                     "p90": round(percentile(values, 90), 4) if values else None}
-    return out

@@ -149,18 +149,12 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
             md.extend(f"- {line}" for line in lines)
             md.append("")
         text.append("")
-    stripes = striping_report.build(records)
-    if stripes:
-        text.extend(stripes.text)
-        md.extend(stripes.md)
-        summary["striping"] = stripes.summary
-        warnings.extend(stripes.warnings)
-    itl = decode_report.build(records)
-    if itl:
-        text.extend(itl.text)
-        md.extend(itl.md)
-        summary["itl"] = itl.summary
-        warnings.extend(itl.warnings)
+    for key, section in (("striping", striping_report.build(records)), ("itl", decode_report.build(records))):
+        if section:
+            text.extend(section.text)
+            md.extend(section.md)
+            summary[key] = section.summary
+            warnings.extend(section.warnings)
     other = [r for r in bws if r.get("what") in ("odirect_read", "odirect_write", "files_read", "files_write",
                                                     "h2d", "d2h")]
     if other:
