@@ -76,7 +76,8 @@ def test_the_report_is_the_same_when_records_carry_only_todays_counter_names(tmp
     assert build_report(load_records([str(renamed)]))[0] == build_report(load_records([str(RUN1)]))[0]
 
 
-@pytest.mark.parametrize("script, stages", [("h200_connector.py", "all"), ("h200_preload.py", "P40,R")])
+@pytest.mark.parametrize("script, stages", [("h200_connector.py", "all"), ("h200_preload.py", "P40,R"),
+                                            ("h200_decode.py", "I")])
 def test_the_dry_run_plans_stock_pykvspec_engines(tmp_path, script, stages):
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), "stage", stages, "--dry-run",
                              "--work", str(tmp_path / "work"), "--mount-base", str(tmp_path / "mnt"),

@@ -7,8 +7,9 @@ engine process), ``probes`` (O_DIRECT and H2D bandwidth), ``loop`` (loop devices
 ``calibrate_stage`` (stage K), ``striping`` and ``striping_report`` (stages S1-S3), ``multibw``
 (O_DIRECT of several devices at once), ``interfaces`` (pykv's commands S1-S3 measure), ``report``,
 ``compare`` (two calibration files),
-``cli``; the ``preload_*`` modules hold ``h200_preload.py``'s stages. The entry points stay ``benchmarks/h200_connector.py``
-and ``benchmarks/h200_preload.py`` (method and stages: benchmarks/README.md).
+``cli``; the ``preload_*`` modules hold ``h200_preload.py``'s stages, the ``decode_*`` modules
+``h200_decode.py``'s stage I. The entry points stay ``benchmarks/h200_connector.py``,
+``benchmarks/h200_preload.py`` and ``benchmarks/h200_decode.py`` (method and stages: benchmarks/README.md).
 
 Nothing heavy happens at import: engine processes import these modules too.
 """

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import auth_stage, striping_report, tp_report
+from h200bench import auth_stage, decode_report, striping_report, tp_report
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -149,12 +149,12 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
             md.extend(f"- {line}" for line in lines)
             md.append("")
         text.append("")
-    stripes = striping_report.build(records)
-    if stripes:
-        text.extend(stripes.text)
-        md.extend(stripes.md)
-        summary["striping"] = stripes.summary
-        warnings.extend(stripes.warnings)
+    for key, section in (("striping", striping_report.build(records)), ("itl", decode_report.build(records))):
+        if section:
+            text.extend(section.text)
+            md.extend(section.md)
+            summary[key] = section.summary
+            warnings.extend(section.warnings)
     auth = auth_stage.report_lines(records)
     if auth:
         text.append("== Issue 20: authenticated loads against verify=full, one device (stage S4) ==")

@@ -77,6 +77,9 @@ STRIPE_TARGETS = {
     "one_device_lengths": (32768, 81920),
     "gate_tolerance": 1.05,
 }
+# Issue 19 (stage I): decode inter-token latency with pykv working in the background, over the
+# same run without a connector and with vLLM's native offloading (mean and p99, the stream's window).
+ITL_TARGETS = {"vs_none": 1.02, "vs_native": 1.0}
 
 ENGINE_ENV = {
     "PYTHONHASHSEED": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
