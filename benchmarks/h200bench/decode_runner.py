@@ -146,7 +146,7 @@ class DecodeRunner(Runner):
                 log("itl-pykv: fill failed; measured engine skipped")
                 return
             self.drop()
-            ktc = self.pykv_ktc(root, dram_bytes=self.tier_bytes(), verify="header")
+            ktc = self.pykv_ktc(root, dram_bytes=self.tier_bytes(), verify="full")  # pykv config's verify
             ktc["kv_connector_extra_config"].update(preload=True, store=True)
             self.itl("itl-pykv", system="pykv", medium=medium, ktc=ktc)
         finally:
