@@ -10,6 +10,7 @@ import os
 import secrets
 
 from h200bench import striping
+from h200bench.striping_report import Section
 from h200bench.util import log
 
 VARIANT = "auth"
@@ -41,6 +42,20 @@ def stage_s4(runner) -> None:
                 striping.pykv_disk_hits(runner, mnts, again, variant=variant, extra=extra)
     finally:
         striping.finish(runner, mnts)
+
+
+def build(records: list[dict]) -> Section | None:
+    """The report's section: S4's disk hits with and without a key (None when S4 has not run)."""
+    lines = report_lines(records)
+    if not lines:
+        return None
+    s = Section()
+    title = "Issue 20: authenticated loads against verify=full, one device (stage S4)"
+    s.text.append(f"== {title} ==")
+    s.md.append(f"### {title}\n")
+    s.lines("disk-hit TTFT (medians of both runs of each variant):", lines)
+    s.summary = {"lines": lines}
+    return s
 
 
 def report_lines(records: list[dict]) -> list[str]:

@@ -149,26 +149,14 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
             md.extend(f"- {line}" for line in lines)
             md.append("")
         text.append("")
-    for key, section in (("striping", striping_report.build(records)), ("itl", decode_report.build(records))):
+    sections = (("striping", striping_report.build(records)), ("itl", decode_report.build(records)),
+                ("auth", auth_stage.build(records)), ("tp", tp_report.build(records)))
+    for key, section in sections:
         if section:
             text.extend(section.text)
             md.extend(section.md)
             summary[key] = section.summary
             warnings.extend(section.warnings)
-    auth = auth_stage.report_lines(records)
-    if auth:
-        text.append("== Issue 20: authenticated loads against verify=full, one device (stage S4) ==")
-        text.extend("  " + line for line in auth)
-        md.append("### Issue 20: authenticated loads against verify=full, one device (stage S4)\n")
-        md.extend(f"- {line}" for line in auth)
-        md.append("")
-        summary["auth"] = auth
-    tp = tp_report.build(records)
-    if tp:
-        text.extend(tp.text)
-        md.extend(tp.md)
-        summary["tp"] = tp.summary
-        warnings.extend(tp.warnings)
     other = [r for r in bws if r.get("what") in ("odirect_read", "odirect_write", "files_read", "files_write",
                                                     "h2d", "d2h")]
     if other:
