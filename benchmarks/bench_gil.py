@@ -82,7 +82,7 @@ def load_stream(directory: str, args: argparse.Namespace, stop, loaded) -> None:
     try:
         devices = DeviceSet([KVTree.create(root)])
         devices.ensure_namespace(namespace)
-        pool = StagingPool(slot_bytes_for(payload), 2 * args.depth)
+        pool = StagingPool(slot_bytes_for(payload), 2 * args.depth, populate=True)
         source = _ZeroSource()
         settings = PykvConfig(**root_keys([root]), io_engine=args.engine, io_depth=args.depth,
                               open_ahead=2 * args.depth, verify=args.verify)

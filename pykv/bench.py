@@ -70,7 +70,7 @@ class _RawFile:
 
     def __init__(self, engine: str, path: Path, *, blocks: int, block_size: int, depth: int) -> None:
         self.path, self.blocks, self.block_size, self.depth = path, blocks, block_size, depth
-        self.pool = StagingPool(block_size, depth)
+        self.pool = StagingPool(block_size, depth, populate=True)
         self.backend, self.fd = None, -1
         try:
             self.backend = open_backend(engine, depth=depth + 2)
@@ -187,7 +187,7 @@ def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, blo
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
         raise
-    pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots))
+    pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots), populate=True)  # as an engine's pinned slots
     source = _ZeroSource()
     settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
                           read_segment_bytes=read_segment, auth_key_file=auth_key_file)

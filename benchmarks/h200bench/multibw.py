@@ -45,7 +45,7 @@ def transfer(engine: str, path: Path, kind: str, *, size: int, block: int, depth
 
     op = OpKind.READ if kind == "read" else OpKind.WRITE
     flags = os.O_DIRECT | os.O_CLOEXEC | (os.O_RDONLY if kind == "read" else os.O_RDWR | os.O_CREAT)
-    pool, backend, fd = StagingPool(block, depth), None, -1
+    pool, backend, fd = StagingPool(block, depth, populate=True), None, -1
     try:
         backend = open_backend(engine, depth=depth + 2)
         fd = os.open(path, flags, 0o600)

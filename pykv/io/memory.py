@@ -20,11 +20,13 @@ def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) & ~(alignment - 1)
 
 
-def aligned_buffer(size: int) -> mmap.mmap:
-    """Return ``size`` bytes of zeroed, page-aligned, private anonymous memory."""
+def aligned_buffer(size: int, *, populate: bool = False) -> mmap.mmap:
+    """Return ``size`` bytes of zeroed, page-aligned, private anonymous memory; ``populate``:
+    with every page faulted in now (``MAP_POPULATE``) rather than on first touch."""
     if size <= 0:
         raise ValueError(f"buffer size must be positive, got {size}")
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(-1, size, flags=flags)
 
 
 def buffer_address(buffer: mmap.mmap) -> int:
