@@ -174,8 +174,8 @@ class PykvConfig:
                                    "read faster with more, smaller requests in flight gain (see "
                                    "docs/benchmarks.md).", "size")
     io_engine: str = _key(_choice(*IO_ENGINES), "auto",
-                          "I/O backend. auto: over several devices the preadv/pwritev thread pool; on one, io_uring "
-                          "when usable, else the thread pool.", "str")
+                          "I/O backend. auto: io_uring when usable (on one device or several), else the "
+                          "preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
     dram_policy: str = _key(_choice(*DRAM_POLICIES), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, False, "Read the stored blocks of requests still waiting in vLLM's queue into "

@@ -124,12 +124,6 @@ def devices_take_direct(devices: DeviceSet) -> bool:
     return True
 
 
-def io_engine_for(io_engine: str, lanes: int) -> str:
-    """The backend ``io_engine`` names for a medium of ``lanes`` devices: ``auto`` over several devices is
-    the thread pool (faster than our io_uring ring there, docs/benchmarks.md), else as configured."""
-    return "threadpool" if io_engine == "auto" and lanes > 1 else io_engine
-
-
 def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, client: object,
                   on_job_done: Callable[[JobResult], None] | None = None) -> Reactor:
     """The medium, the I/O backend and the reactor for ``config`` (with the key ring of
@@ -138,8 +132,8 @@ def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, 
     reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
                                    read_segment=config.read_segment_bytes, verify_threads=config.verify_threads)
-    backend = open_backend(io_engine_for(config.io_engine, medium.lanes),
-                           depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes), directory=devices[0].root)
+    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes),
+                           directory=devices[0].root)
     keys = load_key_ring(config.auth_key_file) if config.auth_key_file else None
     return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
                    on_job_done=on_job_done, keys=keys)
