@@ -79,4 +79,7 @@ def report_lines(records: list[dict]) -> list[str]:
     for r in ttft:
         if r.get("cached") is not None and r["cached"] < r.get("expected_cached", 0):
             lines.append(f"warning: {r['label']} L={r['length']:,} cached {r['cached']} of {r['expected_cached']} tokens")
+        if not r.get("load_blocks_disk") or r.get("load_blocks_failed_disk"):
+            lines.append(f"warning: {r['label']} L={r['length']:,} loaded {r.get('load_blocks_disk')} blocks from disk, "
+                         f"{r.get('load_blocks_failed_disk')} failed: not a clean disk hit")
     return lines
