@@ -30,6 +30,7 @@ from pykv.maintenance.doctor import ProbeRefused, Verdict, diagnose
 from pykv.maintenance.scan import Kind, Scan
 from pykv.namespace import Namespace
 from pykv.tree import KVTree, is_temp_name
+from reliability.racing import contend_for_lease, race
 
 NS = Namespace(model="juicefs/test", dtype="bfloat16", kv_layout="NHD", tokens_per_block=16)
 RACE_KEYS = 60
@@ -288,17 +289,6 @@ def test_gc_and_fsck_from_a_third_client_while_two_write(volume):
 
 
 # -- the eviction lease across clients ------------------------------------------------------------
-def contend_for_lease(root: str, holder: str, start, results) -> None:
-    """One engine on one client: try to take the tree's eviction lease once, keep it (no release)."""
-    try:
-        from pykv.maintenance.lease import Lease
-        lease = Lease(KVTree.open(root), holder, ttl_s=30)
-        start.wait(timeout=60)
-        results.put((holder, lease.acquire(), ""))
-    except Exception:  # noqa: BLE001
-        results.put((holder, False, traceback.format_exc()))
-
-
 def settled_lease_holder(tree: KVTree) -> str | None:
     """The lease's holder as ``tree``'s client sees it once its caches (1 s) have expired."""
     from pykv.maintenance.lease import read_lease
@@ -310,17 +300,7 @@ def settled_lease_holder(tree: KVTree) -> str | None:
 def test_the_eviction_lease_has_one_holder_across_clients_and_a_stale_one_is_taken_over(volume):
     from pykv.maintenance.lease import Lease
     trees = new_tree(volume, "leased")
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Barrier(3), ctx.Queue()
-    engines = [ctx.Process(target=contend_for_lease, args=(str(trees[i].root), f"client{i}", start, results))
-               for i in range(3)]
-    for process in engines:
-        process.start()
-    try:
-        reports = [results.get(timeout=120) for _ in engines]
-    finally:
-        for process in engines:
-            process.join(timeout=60)
+    reports, _ = race(contend_for_lease, [(str(trees[i].root), f"client{i}") for i in range(3)])
     assert [error for _, _, error in reports] == ["", "", ""]
     [winner] = [holder for holder, won, _ in reports if won]  # link(2) across clients: one winner
     assert {settled_lease_holder(tree) for tree in trees} == {winner}

@@ -14,6 +14,7 @@ import pytest
 from pykv.maintenance.lease import Lease, LeaseRefused, read_lease
 from pykv.maintenance.scan import Kind, Scan
 from pykv.tree import LEASE_NAME, KVTree, is_temp_of
+from reliability.racing import contend_for_lease, race
 
 TTL = 30.0
 
@@ -183,30 +184,12 @@ def test_a_second_link_that_outlives_a_publish_is_refused(tree, monkeypatch):
     assert time.monotonic() - started < 2  # bounded: never waits on a link that stays
 
 
-def contend_in_process(root: str, holder: str, start, results) -> None:
-    try:
-        lease = Lease(KVTree.open(root), holder, ttl_s=TTL)
-        start.wait(timeout=60)
-        results.put((holder, lease.acquire(), ""))
-    except Exception as exc:  # noqa: BLE001
-        results.put((holder, False, repr(exc)))
-
-
 def test_processes_racing_for_a_free_lease_never_see_a_publish_as_foreign(tmp_path):
     """Separate processes (no shared GIL) race for a free lease, round after round: one wins each
     round, and no loser mistakes the winner's publish in flight for a foreign file."""
-    import multiprocessing
-    ctx = multiprocessing.get_context("fork")
     for round_ in range(15):
         tree = KVTree.create(tmp_path / f"round{round_}")
-        start, results = ctx.Barrier(4), ctx.Queue()
-        processes = [ctx.Process(target=contend_in_process, args=(str(tree.root), f"p{i}", start, results))
-                     for i in range(4)]
-        for process in processes:
-            process.start()
-        reports = [results.get(timeout=60) for _ in processes]
-        for process in processes:
-            process.join(timeout=30)
+        reports, _ = race(contend_for_lease, [(str(tree.root), f"p{i}") for i in range(4)], method="fork", timeout=60)
         assert [error for _, _, error in reports] == [""] * 4
         assert sum(won for _, won, _ in reports) == 1
 

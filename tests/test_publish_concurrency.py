@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import traceback
@@ -15,6 +14,7 @@ from pykv.blockfile import check_block, read_payload, write_block
 from pykv.format import Geometry
 from pykv.namespace import Namespace
 from pykv.tree import BLOCK_SUFFIX, KVTree, is_temp_name
+from reliability.racing import race
 
 WORKERS = 4
 KEYS = 200
@@ -58,19 +58,8 @@ def publish_all(root: str, seed: int, start, results) -> None:
 def test_four_processes_publishing_the_same_keys(tmp_path: Path):
     tree = KVTree.create(tmp_path / "tree")
     tree.ensure_namespace(NS)
-    ctx = multiprocessing.get_context("spawn")
-    start = ctx.Barrier(WORKERS)
-    results = ctx.Queue()
-    workers = [ctx.Process(target=publish_all, args=(str(tree.root), seed, start, results))
-               for seed in range(WORKERS)]
-    for worker in workers:
-        worker.start()
-    try:
-        reports = [results.get(timeout=120) for _ in workers]
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-    assert [worker.exitcode for worker in workers] == [0] * WORKERS
+    reports, exit_codes = race(publish_all, [(str(tree.root), seed) for seed in range(WORKERS)])
+    assert exit_codes == [0] * WORKERS
     assert len({pid for _, pid, *_ in reports}) == WORKERS
 
     errors = [e for *_, worker_errors in reports for e in worker_errors]
