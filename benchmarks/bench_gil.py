@@ -20,25 +20,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pykv.bench import _ZeroSource  # noqa: E402
-from pykv.config import PykvConfig, root_keys  # noqa: E402
-from pykv.deviceset import DeviceSet  # noqa: E402
-from pykv.format import HEADER_SIZE, Geometry  # noqa: E402
-from pykv.namespace import Namespace  # noqa: E402
-from pykv.reactor import LoadBlock, StoreBlock  # noqa: E402
-from pykv.staging import StagingPool, slot_bytes_for  # noqa: E402
-from pykv.store import build_reactor  # noqa: E402
-from pykv.tree import KVTree  # noqa: E402
+from pykv.bench import block_files  # noqa: E402
 
 
 def python_work(units: int) -> int:
@@ -74,35 +64,17 @@ def decode_steps(units: int, gpu_ms: float, seconds: float) -> list[float]:
 
 def load_stream(directory: str, args: argparse.Namespace, stop, loaded) -> None:
     """Store ``--blocks`` blocks once, then load them through pykv's reactor until ``stop`` is set."""
-    block = args.block_mib << 20
-    payload = block - HEADER_SIZE
-    geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
-    namespace = Namespace("pykv-bench-gil", "uint8", "raw", 256)
-    root = Path(tempfile.mkdtemp(prefix="pykv-gil-", dir=directory))
-    try:
-        devices = DeviceSet([KVTree.create(root)])
-        devices.ensure_namespace(namespace)
-        pool = StagingPool(slot_bytes_for(payload), 2 * args.depth, populate=True)
-        source = _ZeroSource()
-        settings = PykvConfig(**root_keys([root]), io_engine=args.engine, io_depth=args.depth,
-                              open_ahead=2 * args.depth, verify=args.verify)
-        reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
-        keys = [i.to_bytes(8, "big") * 4 for i in range(args.blocks)]
-        stores = [StoreBlock(reactor.medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
-        loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
-        reactor.submit_store("store", stores)
-        reactor.wait_for("store")
+    with block_files(args.engine, [Path(directory)], blocks_per_device=args.blocks, block_size=args.block_mib << 20,
+                     depth=args.depth, verify=args.verify) as files:
+        files.reactor.submit_store("store", files.stores)
+        files.reactor.wait_for("store")
         rounds = 0
         while not stop.is_set():
-            reactor.submit_load(rounds, loads)
-            result = reactor.wait_for(rounds)
+            files.reactor.submit_load(rounds, files.loads)
+            result = files.reactor.wait_for(rounds)
             assert not result.failed, result.failed
             rounds += 1
-            loaded.value += len(loads) * block
-        reactor.close()
-        pool.close()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+            loaded.value += len(files.loads) * (args.block_mib << 20)
 
 
 def measure(label: str, args: argparse.Namespace, units: int, stream: str | None) -> None:

@@ -18,6 +18,7 @@ the file's pages before each read pass when possible.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import IoRequest, OpKind
@@ -168,13 +169,24 @@ class _ZeroSource:
             self.reactor.consumed(block.transfer)
 
 
-def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, block_size: int, depth: int,
-                verify: str = "header", read_segment: int = 0, device: str | None = None,
-                auth_key_file: str | None = None) -> list[BenchResult]:
-    """Store then load ``size // block_size`` block files through the reactor. Several directories:
-    a temp tree in each, one ``DeviceSet`` (blocks placed as an engine's are), ``size`` per device
-    and ``depth`` in flight per device. ``auth_key_file``: stores signed, loads authenticated."""
-    directories = [directory] if isinstance(directory, Path) else list(directory)
+@dataclass(frozen=True)
+class BlockFiles:
+    """A reactor built as an engine builds it, over temp trees, and the blocks to store and load."""
+
+    reactor: Reactor
+    stores: list[StoreBlock]
+    loads: list[LoadBlock]
+
+
+@contextlib.contextmanager
+def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: int, block_size: int, depth: int,
+                verify: str = "header", read_segment: int = 0,
+                auth_key_file: str | None = None) -> Iterator[BlockFiles]:
+    """A temp tree in each of ``directories`` (one ``DeviceSet``, blocks placed as an engine's are),
+    a reactor over it with ``depth`` in flight per device and populated staging (as an engine's
+    pinned slots), and ``blocks_per_device`` blocks per device of ``block_size`` bytes; the
+    reactor, the staging and the trees are gone afterwards. ``auth_key_file``: stores signed,
+    loads authenticated."""
     payload = block_size - HEADER_SIZE
     geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
     namespace = Namespace("pykv-bench", "uint8", "raw", 256)
@@ -183,37 +195,47 @@ def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, blo
         roots += [Path(tempfile.mkdtemp(prefix="pykv-bench-tree-", dir=d)) for d in directories]
         devices = DeviceSet([KVTree.create(root) for root in roots])
         devices.ensure_namespace(namespace)
-    except BaseException:
+        pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots), populate=True)
+        try:
+            source = _ZeroSource()
+            settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth,
+                                  verify=verify, read_segment_bytes=read_segment, auth_key_file=auth_key_file)
+            reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
+            try:
+                keys = [i.to_bytes(8, "big") * 4 for i in range(blocks_per_device * len(roots))]
+                stores = [StoreBlock(reactor.medium.locate(namespace.id, k), namespace.fingerprint, k, geometry)
+                          for k in keys]
+                yield BlockFiles(reactor, stores, [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores])
+            finally:
+                reactor.close()
+        finally:
+            pool.close()
+    finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
-        raise
-    pool = StagingPool(slot_bytes_for(payload), depth * 2 * len(roots), populate=True)  # as an engine's pinned slots
-    source = _ZeroSource()
-    settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth, verify=verify,
-                          read_segment_bytes=read_segment, auth_key_file=auth_key_file)
-    reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
-    keys = [i.to_bytes(8, "big") * 4 for i in range(size // block_size * len(roots))]
-    medium = reactor.medium
-    stores = [StoreBlock(medium.locate(namespace.id, k), namespace.fingerprint, k, geometry) for k in keys]
-    loads = [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores]
-    try:
+
+
+def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, block_size: int, depth: int,
+                verify: str = "header", read_segment: int = 0, device: str | None = None,
+                auth_key_file: str | None = None) -> list[BenchResult]:
+    """Store then load ``size // block_size`` block files per device through the reactor
+    (``block_files``). Several directories: ``size`` and ``depth`` in flight per device."""
+    directories = [directory] if isinstance(directory, Path) else list(directory)
+    with block_files(engine, directories, blocks_per_device=size // block_size, block_size=block_size, depth=depth,
+                     verify=verify, read_segment=read_segment, auth_key_file=auth_key_file) as files:
+        reactor, medium = files.reactor, files.reactor.medium
         name = f"pykv reactor files ({reactor.backend.name}"
         name += "" if medium.opens_direct else ", buffered: no O_DIRECT here"
         name += f", reads in {read_segment >> 10} KiB pieces)" if read_segment else ")"
-        stored = _timed(reactor, "store", stores)
-        for block in stores:
+        stored = _timed(reactor, "store", files.stores)
+        for block in files.stores:
             drop_page_cache(block.path)
-        loaded = _timed(reactor, "load", loads)
+        loaded = _timed(reactor, "load", files.loads)
         for result in (stored, loaded):
             if result.failed:
                 raise OSError(f"bench {result.kind.value} failed: {next(iter(result.failed.values()))}")
         return [BenchResult(name, "write", depth, block_size, stored.bytes, stored.seconds, device),
                 BenchResult(name, "read", depth, block_size, loaded.bytes, loaded.seconds, device)]
-    finally:
-        reactor.close()
-        pool.close()
-        for root in roots:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def _timed(reactor: Reactor, job: str, blocks: list) -> "object":
