@@ -139,43 +139,33 @@ def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -
     import secrets
     import tempfile
 
-    size = max(FILE_BLOCK, a.files_size - a.files_size % FILE_BLOCK)
-    key_dir = tempfile.mkdtemp(prefix="pykv-mbw-key-")
-    key_file = os.path.join(key_dir, "auth.keys")
-    modes = ["header", "full"]
-    try:
-        from pykv.auth import write_key_file
-        write_key_file(key_file, {"bench": secrets.token_bytes(32)})
-        modes.append("auth")
-    except ImportError as exc:  # blake3 missing on this host
-        log(f"reactor files: no authenticated pass ({exc})")
-    try:
-        run_reactor_files(a, dirs, engines, size, modes, key_file)
-    finally:
-        for name in os.listdir(key_dir):
-            os.unlink(os.path.join(key_dir, name))
-        os.rmdir(key_dir)
-
-
-def run_reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str], size: int, modes: list[str],
-                      key_file: str) -> None:
     from pykv.bench import bench_files
 
-    for engine in engines:
-        for mode in modes:
-            verify = "full" if mode == "auth" else mode
-            tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
-                    "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth}
-            try:
-                runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=a.files_depth, verify=verify,
-                                   auth_key_file=key_file if mode == "auth" else None)
-            except Exception as exc:  # noqa: BLE001 - io_uring may be refused
-                log(f"reactor files {len(dirs)} devices {engine} {mode}: {exc!r}")
-                emit(a.results, {**tags, "what": FILES_WHAT, "error": repr(exc)})
-                continue
-            for r in runs:
-                emit(a.results, {**tags, "what": f"files_{r.op}_agg", "bytes": r.bytes, "seconds": round(r.seconds, 4),
-                                 "gb_per_s": round(r.gb_per_s, 3)})
+    size = max(FILE_BLOCK, a.files_size - a.files_size % FILE_BLOCK)
+    with tempfile.TemporaryDirectory(prefix="pykv-mbw-key-") as key_dir:
+        key_file = os.path.join(key_dir, "auth.keys")
+        modes = ["header", "full"]
+        try:
+            from pykv.auth import write_key_file
+            write_key_file(key_file, {"bench": secrets.token_bytes(32)})
+            modes.append("auth")
+        except ImportError as exc:  # blake3 missing on this host
+            log(f"reactor files: no authenticated pass ({exc})")
+        for engine in engines:
+            for mode in modes:
+                tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
+                        "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth}
+                try:
+                    runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=a.files_depth,
+                                       verify="full" if mode == "auth" else mode,
+                                       auth_key_file=key_file if mode == "auth" else None)
+                except Exception as exc:  # noqa: BLE001 - io_uring may be refused
+                    log(f"reactor files {len(dirs)} devices {engine} {mode}: {exc!r}")
+                    emit(a.results, {**tags, "what": FILES_WHAT, "error": repr(exc)})
+                    continue
+                for r in runs:
+                    emit(a.results, {**tags, "what": f"files_{r.op}_agg", "bytes": r.bytes,
+                                     "seconds": round(r.seconds, 4), "gb_per_s": round(r.gb_per_s, 3)})
 
 
 def add_mbw_parser(sub) -> None:
