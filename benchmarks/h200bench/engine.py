@@ -69,6 +69,16 @@ def engine_main(config_path: str) -> int:
         log(f"settle: still busy after {timeout:.0f} s")
         return read_stats(stats_base)
 
+    def measured(tokens: list[int], step: dict, *, settle_first: bool, params=sp):
+        """One request with pykv's counters around it (settled first when asked): (seconds, cached
+        tokens, the output, the record's counter fields)."""
+        if stats_base and settle_first:
+            settle(60)
+        before = read_stats(stats_base)
+        seconds, cached, out = generate(tokens, params)
+        time.sleep(step.get("pause", 1.0))  # deferred stores / stats catch up
+        return seconds, cached, out, counter_fields(before, read_stats(stats_base)) if stats_base else {}
+
     for step in cfg["steps"]:
         op = step["op"]
         if op in ("fill", "query"):
@@ -76,35 +86,22 @@ def engine_main(config_path: str) -> int:
                 for doc in range(cfg["docs"]):
                     tokens = doc_tokens(length, doc, vocab)
                     for phase in step.get("phases", [op]):
-                        if stats_base and op == "query":
-                            settle(60)
-                        before = read_stats(stats_base)
-                        ttft, cached, _ = generate(tokens)
-                        time.sleep(step.get("pause", 1.0))  # deferred stores / stats catch up
+                        ttft, cached, _, counters = measured(tokens, step, settle_first=op == "query")
                         rec = {"kind": "ttft", **tags, "phase": phase, "length": length, "doc": doc,
                                "ttft": round(ttft, 4), "cached": cached,
                                "expected_cached": expected_chunks(length) * CHUNK,
                                "kv_bytes": (cached or 0) * cfg["kv_bytes_per_token"]}
                         if op == "query" and cached:
                             rec["e2e_gb_per_s"] = round(cached * cfg["kv_bytes_per_token"] / ttft / 1e9, 3)
-                        if stats_base:
-                            rec.update(counter_fields(before, read_stats(stats_base)))
-                        emit(results, rec)
+                        emit(results, {**rec, **counters})
         elif op == "tokens":  # greedy output tokens of one document, ``repeat`` times (output equality)
             tokens = doc_tokens(step["length"], step.get("doc", 0), vocab)
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, detokenize=False)
             for run in range(step.get("repeat", 1)):
-                if stats_base:
-                    settle(60)
-                before = read_stats(stats_base)
-                seconds, cached, out = generate(tokens, params)
-                time.sleep(step.get("pause", 1.0))
-                rec = {"kind": "tokens", **tags, "phase": step.get("phase", "tokens"), "length": step["length"],
-                       "doc": step.get("doc", 0), "run": run, "seconds": round(seconds, 4), "cached": cached,
-                       "tokens": list(out.outputs[0].token_ids)}
-                if stats_base:
-                    rec.update(counter_fields(before, read_stats(stats_base)))
-                emit(results, rec)
+                seconds, cached, out, counters = measured(tokens, step, settle_first=True, params=params)
+                emit(results, {"kind": "tokens", **tags, "phase": step.get("phase", "tokens"), "length": step["length"],
+                               "doc": step.get("doc", 0), "run": run, "seconds": round(seconds, 4), "cached": cached,
+                               "tokens": list(out.outputs[0].token_ids), **counters})
         elif op == "settle":
             t = time.perf_counter()
             if stats_base:
