@@ -259,6 +259,14 @@ class PykvOffloadingConnector(OffloadingConnector):
         if self._reset_fence.reported(compat.completed_jobs(meta)) and hasattr(manager, "on_reset_flushed"):
             manager.on_reset_flushed()
 
+    def shutdown(self) -> None:
+        """vLLM's shutdown, then the manager's (its evictor thread) where this vLLM's scheduler side
+        does not forward it; the manager's is idempotent."""
+        super().shutdown()
+        manager = compat.connector_offloading_manager(self)
+        if hasattr(manager, "shutdown"):
+            manager.shutdown()
+
     def reset_cache(self) -> Any:
         """(Before 0.33) fence the jobs in flight: the manager learns when they are all reported."""
         if compat.HAS_RESET_FLUSHED or self.connector_scheduler is None:

@@ -305,8 +305,11 @@ class PykvManager(OffloadingManager):
             for name, value in self.evictor.stats().items():  # the evictor's totals (its own thread counts them)
                 self.counters[name] = value
 
-    def close(self) -> None:
-        """Stop the evictor's thread (a daemon: an engine that exits without calling this loses nothing)."""
+    def shutdown(self) -> None:
+        """vLLM's hook at engine shutdown (``OffloadingManager.shutdown``; idempotent): the evictor
+        finishes a round in progress, which releases its lease and removes its temps, and stops.
+        Without it the daemon thread dies with the process mid-round: a lease temp is left for
+        ``pykv fsck`` and the lease blocks other engines' eviction until it expires."""
         if self.evictor is not None:
             self.evictor.close()
 

@@ -283,7 +283,9 @@ def test_the_manager_evicts_and_stores_nothing_while_eviction_is_behind(rig, tmp
         assert exported[Metric.EVICTED_BLOCKS] == {(): 5} and exported[Metric.EVICT_ROUNDS] == {(): 2}
         assert exported[Metric.EVICTED_BYTES] == {(): 5 * BLOCK_SIZE}
     finally:
-        manager.close()
+        manager.shutdown()
+    assert not manager.evictor._thread.is_alive()
+    manager.shutdown()  # vLLM's connector and pykv's may both call it
     assert rig()[0].evictor is None  # no max_tree_bytes: no evictor, no thread
 
 
