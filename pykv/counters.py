@@ -114,6 +114,9 @@ class WorkerCounter(_Documented):
     STORE_PUBLISHED = "store_published", "Block files published."
     STORE_BLOCKS_FAILED = "store_blocks_failed", "Storage blocks whose store failed."
     STORE_BLOCKS_PAUSED = "store_blocks_paused", "Storage blocks not written because stores were paused."
+    STORE_BLOCKS_SHED = ("store_blocks_shed",
+        "Storage blocks of a store dropped because vLLM needed their GPU blocks back before a staging "
+        "slot was free (the disk could not keep up; the engine did not wait).")
     STORE_PAUSES = "store_pauses", "Times stores were paused after a disk failure."
     QUARANTINED = "quarantined", "Corrupt block files moved to quarantine."
     PRELOAD_BLOCKS_PLANNED = "preload_blocks_planned", "Blocks named in preload plans this worker received."

@@ -30,6 +30,7 @@ class Step(enum.Enum):
     WRITE = "write"
     FSYNC = "fsync"
     PUBLISH = "publish"
+    SHED = "shed"  # vLLM needed the store's GPU blocks back before a staging slot was free: dropped
 
 
 _STORE_MEDIUM = frozenset({Step.MKDIR, Step.OPEN_FOR_WRITE, Step.WRITE, Step.FSYNC, Step.PUBLISH})
@@ -60,7 +61,7 @@ class BlockFailure:
     @property
     def expected(self) -> bool:
         """A failure a healthy cache meets (log quietly)."""
-        return self.errno in EXPECTED_ERRNOS
+        return self.errno in EXPECTED_ERRNOS or self.step is Step.SHED
 
     def __str__(self) -> str:
         reason = self.detail or (os.strerror(self.errno) if self.errno else "failed")

@@ -8,7 +8,7 @@ storage block:
     preload:  QUEUED -> OPENING -> OPENED -> READING [-> VERIFYING] -> READY (holds its slot)
               -> DONE when released
     joined:   JOINED (a load waiting on a preload's read) -> READY -> DELIVERED -> DONE
-    store:    QUEUED -> FILLING -> FILLED -> WRITING -> DONE
+    store:    QUEUED -> FILLING -> FILLED -> WRITING -> DONE (``shed`` while QUEUED: CANCELLED)
     any stage -> FAILED (or CANCELLED); a held slot is released on the way
 
 A read completes with ``read_done``, or with ``io_done`` (its I/O is over; its payload is
@@ -232,6 +232,15 @@ class ReactorPolicy:
             self._end(p, ok=True, stage=Stage.CANCELLED)
         elif p.stage is Stage.READY:
             self._end(p, ok=True)
+
+    def shed(self, transfer_id: int) -> bool:
+        """Drop a store still waiting for a slot (CANCELLED, nothing was copied); False for any
+        other transfer (a store being filled or written goes on)."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.kind is not Kind.STORE or t.stage is not Stage.QUEUED:
+            return False
+        self._end(t, ok=False, stage=Stage.CANCELLED)
+        return True
 
     # -- decisions ---------------------------------------------------------------------------
     def step(self) -> list[Action]:

@@ -30,10 +30,10 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Collection, Hashable, Sequence
 
 from pykv.auth import KeyRing
-from pykv.failures import BlockFailure
+from pykv.failures import BlockFailure, Step
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
 from pykv.media.base import Medium
 from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
@@ -46,6 +46,8 @@ from pykv.reactor_verify import PayloadVerifier
 from pykv.staging import StagingPool
 
 log = logging.getLogger(__name__)
+
+SHED = BlockFailure(Step.SHED, detail="vLLM needed the GPU blocks back before a staging slot was free")
 
 __all__ = ["STATS", "FillRequest", "JobResult", "LoadBlock", "LoadSink", "Reactor", "ReactorConfig", "ReadyBlock",
            "StoreBlock", "StoreSource", "backend_depth", "segment_count", "slot_header"]
@@ -116,6 +118,12 @@ class Reactor(LoadSteps, StoreSteps):
     def submit_store(self, job: object, blocks: Sequence[StoreBlock]) -> None:
         self._post(lambda: self._add_job(job, Kind.STORE, blocks))
 
+    def shed_stores(self, jobs: Collection[object], done: Callable[[list[tuple[object, int]]], None]) -> None:
+        """Drop the blocks of these store jobs that still wait for a slot once the slots free now
+        are granted (they fail with ``Step.SHED``); ``done([(job, index), ...])`` on the reactor
+        thread names them. Blocks being filled or written go on."""
+        self._post(lambda: done(self._shed(set(jobs))))
+
     def consumed(self, transfer: int) -> None:
         """The consumer is done with a delivered slot."""
         self._post(lambda: self.policy.consumed(transfer))
@@ -185,6 +193,15 @@ class Reactor(LoadSteps, StoreSteps):
             if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
                 continue
             self.policy.add(self._next_id, kind, slot=block.slot, urgent=urgent, lane=self.medium.lane(block.path))
+
+    def _shed(self, jobs: set[object]) -> list[tuple[object, int]]:
+        self._perform(self.policy.step())  # a store that can have a slot now keeps its blocks
+        shed = []
+        for tid, t in list(self._transfers.items()):
+            if t.job.result.kind is Kind.STORE and t.job.result.job in jobs and self.policy.shed(tid):
+                self._fail(t, SHED)
+                shed.append((t.job.result.job, t.index))
+        return shed
 
     def _note_high_water(self) -> None:
         ledger = self.pool.ledger

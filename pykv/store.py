@@ -204,10 +204,25 @@ class BlockStore:
 
     def wait_engine_blocks(self, jobs: Sequence[object]) -> None:
         """Block until the engine may reuse these jobs' blocks: a load's once it ends, a store's once
-        every block is copied into a host slot (its write may still run)."""
+        every block is copied into a host slot (its write may still run). A store's blocks that
+        find no free slot are shed (``Step.SHED``, not stored): the engine never waits on the disk."""
+        with self._lock:
+            if not self.ledger.holds_engine_blocks(jobs):
+                return
+        self.reactor.shed_stores(jobs, self._shed)
         with self._lock:
             while self.ledger.holds_engine_blocks(jobs):
                 self._lock.wait(1.0)
+
+    def _shed(self, blocks: list[tuple[object, int]]) -> None:
+        """The reactor dropped these store blocks before they had a slot (reactor thread)."""
+        if not blocks:
+            return
+        with self._lock:
+            for part, index in blocks:
+                self.ledger.filled(part, index, False, 0)
+            self.counters[C.STORE_BLOCKS_SHED] += len(blocks)
+            self._lock.notify_all()
 
     @property
     def open_jobs(self) -> int:

@@ -100,6 +100,23 @@ def test_store_pipeline_fill_then_write_then_finish_releases_slot():
     assert policy.ledger.free == 2
 
 
+def test_only_a_store_still_waiting_for_a_slot_is_shed():
+    policy = make(slots=1, depth=1)
+    policy.add(0, Kind.STORE)
+    policy.add(1, Kind.STORE)
+    policy.add(2, Kind.LOAD)
+    assert [a.transfer for a in of(policy.step(), Fill)] == [0]  # one slot: store 1 queues
+    assert not policy.shed(0)  # being filled: its copy goes on
+    assert not policy.shed(2)  # a load is never shed
+    assert policy.shed(1) and not policy.shed(1)
+    assert Finish(1, False) in policy.step() and policy.stage(1) is Stage.DONE
+    policy.filled(0, ok=True)
+    assert of(policy.step(), Write)[0].transfer == 0  # the store being filled is written as usual
+    assert not policy.shed(0)
+    policy.written(0, ok=True)
+    assert Finish(0, True) in policy.step() and policy.ledger.free == 1
+
+
 def test_writes_respect_io_depth():
     policy = make(slots=4, depth=1)
     for i in range(3):

@@ -65,10 +65,11 @@ class Client:
 def store(tmp_path):
     made = []
 
-    def make(dram_slots: int = 0, early_release: bool = False, **extra) -> tuple[BlockStore, Client]:
+    def make(dram_slots: int = 0, early_release: bool = False, client_type: type[Client] = Client,
+             **extra) -> tuple[BlockStore, Client]:
         config = PykvConfig.from_extra_config({"root": str(tmp_path / "tree"), "io_engine": "threadpool",
                                                "store_retry_interval": "60s", **extra})
-        client = Client()
+        client = client_type()
         shape = EngineShape(NS, slot_bytes_for(GEOMETRY.payload_length), 4, dram_slots, 0, early_release)
         client.store = BlockStore(config, shape, client)
         made.append(client.store)
@@ -135,3 +136,53 @@ def test_a_store_the_medium_refuses_pauses_stores(store, tmp_path):
     assert end.pause is not None and end.pause.step is Step.MKDIR and s.counters["store_pauses"] == 1
     assert submit(s, client, 2, KEYS[1:2], load=False) is False  # paused: nothing submitted
     assert s.counters["store_blocks_paused"] == 1 and 2 not in client.ends
+
+
+class HeldFills(Client):
+    """Takes fill requests and copies them only when ``release`` is called (a slow GPU copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list = []
+        self.fills_asked = threading.Event()
+
+    def to_slots(self, copies, done):
+        self.held.extend((c, done) for c in copies)
+        self.fills_asked.set()
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for copy, done in held:
+            super().to_slots([copy], done)
+
+
+def test_a_store_without_a_free_slot_is_shed_when_vllm_needs_its_blocks_back(store):
+    # 4 staging slots, 8 blocks: 4 are being copied in, 4 wait for a slot. vLLM's ``wait`` (it is
+    # about to reuse the GPU blocks) must not wait for the disk to free slots: the 4 waiting blocks
+    # are dropped, and ``wait`` ends as soon as the 4 copies under way are done.
+    s, client = store(client_type=HeldFills)
+    keys = [bytes([9, i]) * 16 for i in range(8)]
+    submit(s, client, 1, keys, load=False)
+    assert client.fills_asked.wait(10)
+    waited = threading.Thread(target=s.wait_engine_blocks, args=([1],))
+    waited.start()
+    waited.join(0.5)
+    assert waited.is_alive()  # the copies under way still hold the engine's blocks
+    client.release()
+    waited.join(10)
+    assert not waited.is_alive()
+    end = client.wait(1)
+    assert sorted(end.failures) == [4, 5, 6, 7] and {f.step for f in end.failures.values()} == {Step.SHED}
+    assert s.counters["store_blocks_shed"] == 4 and s.counters["store_published"] == 4
+    assert not end.failed_stores or not any(in_dram for _, in_dram in end.failed_stores)
+    submit(s, client, 2, keys, load=True)
+    failures = client.wait(2).failures
+    assert sorted(failures) == [4, 5, 6, 7] and client.loaded == {k: payload(k) for k in keys[:4]}
+
+
+def test_a_store_that_can_have_slots_is_not_shed_however_soon_vllm_waits(store):
+    s, client = store()
+    submit(s, client, 1, KEYS, load=False)
+    s.wait_engine_blocks([1])  # at once: the store's command may not have run yet
+    assert not client.wait(1).failures and s.counters["store_blocks_shed"] == 0
+    assert s.counters["store_published"] == 3
