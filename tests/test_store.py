@@ -14,7 +14,7 @@ from pykv.format import HEADER_SIZE, Geometry
 from pykv.jobledger import JobEnd, Kind, Release
 from pykv.namespace import Namespace
 from pykv.staging import slot_bytes_for
-from pykv.store import BlockRef, BlockStore, EngineShape, SlotCopy
+from pykv.store import BlockRef, BlockStore, EngineShape
 
 GEOMETRY = Geometry(tokens=64, segments=2, segment_bytes=4096)
 NS = Namespace("tiny", "bf16", "test", 64)
