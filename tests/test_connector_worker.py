@@ -541,3 +541,40 @@ def test_a_manager_refuses_to_start_with_a_key_file_others_may_read(tmp_path):
     config = offloading_config(str(tmp_path / "tree"), auth_key_file=str(tmp_path / "keys"))
     with pytest.raises(KeyFileError, match="kv_connector_extra_config.auth_key_file .*: mode 0604"):
         PykvManager(config, PykvConfig.from_extra_config(config.extra_config))
+
+
+def test_wait_sheds_a_store_that_finds_no_free_slot_and_the_manager_learns_it_failed(rig, monkeypatch):
+    """A store that queues behind a disk which cannot keep up is dropped when vLLM needs its GPU
+    blocks back: ``wait`` does not wait for writes, and the dropped blocks stay misses."""
+    held = hold_writes(monkeypatch)  # no write ends: the slots of the first store stay busy
+    manager, worker, kv = rig(staging_bytes="128K")
+    slots = worker.store.pool.ledger.num_slots - worker.store.pool.ledger.reserved
+    assert 1 <= slots <= 4
+    first, second = keys(slots, salt=9), keys(2, salt=10)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(slots * BPC)), [slots * BPC], [0]),
+                        manager.prepare_store(first, ReqContext("a")).store_spec)
+    worker.submit_store(2, GPULoadStoreSpec(list(range(32, 40)), [8], [0]),
+                        manager.prepare_store(second, ReqContext("b")).store_spec)
+    waiter = _waiter(worker, {2})
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() waited for the disk to free a staging slot"
+    assert worker.counters["store_blocks_shed"] == 2
+    held[0].release()
+    report = run_jobs(worker, {1, 2})
+    assert sorted(k for k, _ in report.failed_stores) == sorted(second)
+    assert worker.counters["store_published"] == slots
+    ctx = ReqContext("c")
+    assert all(manager.lookup(k, ctx) is LookupResult.HIT for k in first)
+    assert all(manager.lookup(k, ctx) is LookupResult.MISS for k in second)
+
+
+def run_jobs(worker: PykvWorker, jobs: set[int], timeout: float = 20.0) -> WorkerReport:
+    """Wait until all ``jobs`` finished (successfully for vLLM); the worker's report of them."""
+    deadline, done = time.monotonic() + timeout, set()
+    while done != jobs and time.monotonic() < deadline:
+        for result in worker.get_finished():
+            assert result.success
+            done.add(result.job_id)
+        time.sleep(0.01)
+    assert done == jobs
+    return worker.take_report()
