@@ -2,7 +2,9 @@
 
 usage: python driver.py PLAN.json RESULT.json
 
-PLAN: {"model": dir, "kv_transfer_config": {...} | null, "steps": [...]}; each step:
+PLAN: {"model": dir, "kv_transfer_config": {...} | null, "prelude": code | null, "steps": [...]}
+(``prelude``: test glue exec'd in-process before the engine starts, e.g. to wrap what pykv builds
+at start; it matters only with VLLM_ENABLE_V1_MULTIPROCESSING=0). Each step:
   {"op": "generate", "name": str, "prompts": [[token ids], ...], "max_tokens": 8, "cache_salt": str}
       -> results[name] = [{"tokens": [...], "num_cached_tokens": n}, ...]
       (``cache_salt``, optional: vLLM's per-request salt, given with every prompt of the step)
@@ -112,6 +114,8 @@ def main(plan_path: str, result_path: str) -> None:
     if plan.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = plan["kv_transfer_config"]
     kwargs.update(plan.get("engine", {}))
+    if plan.get("prelude"):
+        exec(plan["prelude"], {"os": os, "Path": Path})
     started = time.monotonic()
     llm = LLM(**kwargs)
     results: dict = {"engine_start_s": round(time.monotonic() - started, 1), "corrupted": []}

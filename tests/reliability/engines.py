@@ -41,9 +41,12 @@ def env(work: Path, name: str, extra: dict[str, str] | None = None) -> dict[str,
             "PYKV_STATS_FILE": str(work / f"{name}.stats"), **(extra or {})}
 
 
-def start(work: Path, name: str, ktc: dict | None, steps: list[dict],
-          engine: dict | None = None, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {}}
+def start(work: Path, name: str, ktc: dict | None, steps: list[dict], engine: dict | None = None,
+          extra_env: dict[str, str] | None = None, prelude: str | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start an engine process playing ``steps``; ``prelude``: test glue run in it before the engine
+    starts (it can import the test helpers)."""
+    plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {},
+            "prelude": f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{prelude}" if prelude else None}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")
