@@ -285,7 +285,8 @@ class ConfigRunner:
 
     def __init__(self, tmp_path):
         import argparse
-        self.a, self.dry, self.stage, self.work = argparse.Namespace(pykv_set=None), False, "S1", tmp_path
+        self.a = argparse.Namespace(pykv_set=None, io_engine="auto")
+        self.dry, self.stage, self.work = False, "S1", tmp_path
         self.records = []
 
     def record(self, rec):
@@ -306,3 +307,15 @@ def test_the_striped_config_is_what_pykv_config_prints_unless_it_names_other_roo
     (rec,) = runner.records
     assert rec["source"] == source and rec["ktc"] == ktc
     assert ("command_error" in rec) == (source == "library")
+
+
+@pytest.mark.parametrize("io_engine, pykv_set, expected", [
+    ("auto", None, "auto"), ("threadpool", None, "threadpool"),
+    ("threadpool", ["io_engine=io_uring"], "io_uring")])
+def test_the_stripe_stages_take_io_engine_into_the_config(tmp_path, io_engine, pykv_set, expected):
+    # run 10 passed --io-engine threadpool to S1 and it silently measured the default
+    from h200bench import interfaces
+    runner = ConfigRunner(tmp_path)
+    runner.a.io_engine, runner.a.pykv_set = io_engine, pykv_set
+    ktc = interfaces.library_ktc(["/d0/t"], interfaces.set_items(runner))
+    assert ktc["kv_connector_extra_config"]["io_engine"] == expected

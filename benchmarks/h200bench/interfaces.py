@@ -22,8 +22,10 @@ from h200bench.util import log
 
 
 def set_items(runner) -> list[str]:
-    """The ``--pykv-set KEY=VALUE`` items: the only keys S1-S3 add to pykv's defaults."""
-    return list(runner.a.pykv_set or [])
+    """The keys S1-S4 add to pykv's defaults: ``--io-engine`` when not ``auto``, then the
+    ``--pykv-set KEY=VALUE`` items (a later item wins)."""
+    items = [] if runner.a.io_engine == "auto" else [f"io_engine={runner.a.io_engine}"]
+    return items + list(runner.a.pykv_set or [])
 
 
 def library_ktc(roots: list[str], items: list[str], dram_zero: bool = False) -> dict:
