@@ -9,7 +9,8 @@ hands every block that became ready in one iteration to the ``LoadSink`` as one
 batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
 Stores run the other way: the ``StoreSource`` fills a slot, the reactor seals
 it (with a key ring, signs it on the verifier threads), writes header and payload
-to a temporary file and publishes it.
+to a temporary file and publishes it. ``shed_stores`` drops the blocks of stores that still
+wait for a slot when the client cannot wait for them (vLLM reusing their GPU blocks).
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
 schedules (this module), loads (``reactor_loads``) and stores (``reactor_stores``).
