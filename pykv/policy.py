@@ -45,7 +45,8 @@ Rules:
   of the youngest READY preload nobody is using.
 - All loads that became ready in one step are delivered as one batch.
 - A transfer may bring its own slot (a DRAM-tier slot outside the ledger): it then
-  takes none from the ledger and gives none back.
+  takes none from the ledger and gives none back; such a store is filled at once, never
+  queued behind stores waiting for a ledger slot (so ``shed`` never meets it).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class ReactorPolicy:
         if kind is Kind.PRELOAD and slot is not None:
             raise ValueError("a preload reads into a staging slot of the ledger, never a caller's slot")
         order = next(self._urgent_order if urgent else self._order)
-        self._track(Transfer(transfer_id, kind, Stage.QUEUED, slot, order, lane))
+        self._track(Transfer(transfer_id, kind, Stage.QUEUED, slot, order, lane, brings_slot=slot is not None))
 
     def opened(self, transfer_id: int, ok: bool) -> None:
         t = self._expect(transfer_id, Stage.OPENING)
@@ -269,11 +270,15 @@ class ReactorPolicy:
             t.stage = Stage.WRITING
             io_used[t.lane] += 1
             actions.append(Write(t.id, t.slot))
-        for t in self._in(Stage.QUEUED, Kind.STORE):
+        for t in self._in(Stage.QUEUED, Kind.STORE):  # FIFO; one that brought its slot never waits
             if not self._take_slot(t, reclaim=True):
                 break
             t.stage = Stage.FILLING
             actions.append(Fill(t.id, t.slot))
+        for lane, _ in self._index.sizes(Stage.QUEUED, "store_slotted"):
+            for t in list(self._index.oldest_first(Stage.QUEUED, "store_slotted", lane)):
+                t.stage = Stage.FILLING
+                actions.append(Fill(t.id, t.slot))
         queued = self._in(Stage.QUEUED, demand=True)
         for t in queued:
             if window[t.lane] >= self.open_ahead:

@@ -55,6 +55,7 @@ class Transfer:
     claimed: bool = False  # preload: a demand load waits on it (demand priority from now on)
     released: bool = False  # preload: nobody wants it any more; it ends once its I/O is done
     source: int | None = None  # joined load: the preload whose read it waits for
+    brings_slot: bool = False  # came with its caller's slot (a DRAM-tier slot): never waits for one
     index: "StageIndex | None" = field(default=None, repr=False)  # kept current when stage or claim change
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -68,15 +69,18 @@ class Transfer:
 
     @property
     def category(self) -> str:
-        """``load``, ``store``, ``claimed`` (a preload a load waits on) or ``speculative`` (any other preload)."""
+        """``load``, ``store``, ``store_slotted`` (a store that brought its slot), ``claimed`` (a preload
+        a load waits on) or ``speculative`` (any other preload)."""
         if self.kind is Kind.PRELOAD:
             return "claimed" if self.claimed else "speculative"
+        if self.kind is Kind.STORE and self.brings_slot:
+            return "store_slotted"
         return self.kind.value
 
 
 _INDEXED = ("stage", "claimed")
 #: the index's categories of each kind (a preload is "claimed" once a load waits on it)
-CATEGORIES = {Kind.LOAD: ("load",), Kind.STORE: ("store",), Kind.PRELOAD: ("claimed", "speculative")}
+CATEGORIES = {Kind.LOAD: ("load",), Kind.STORE: ("store", "store_slotted"), Kind.PRELOAD: ("claimed", "speculative")}
 
 
 class StageIndex:

@@ -117,6 +117,17 @@ def test_only_a_store_still_waiting_for_a_slot_is_shed():
     assert Finish(0, True) in policy.step() and policy.ledger.free == 1
 
 
+def test_a_store_that_brought_its_slot_is_filled_even_behind_one_waiting_for_a_slot():
+    policy = make(slots=1, depth=1)
+    policy.add(0, Kind.STORE)
+    policy.add(1, Kind.STORE)  # no ledger slot left for it
+    policy.add(2, Kind.STORE, slot=7)  # a DRAM-tier slot of its own
+    assert [(a.transfer, a.slot) for a in of(policy.step(), Fill)] == [(0, 0), (2, 7)]
+    assert policy.stage(1) is Stage.QUEUED and not policy.shed(2)
+    policy.filled(2, ok=True)
+    assert of(policy.step(), Write)[0].transfer == 2
+
+
 def test_writes_respect_io_depth():
     policy = make(slots=4, depth=1)
     for i in range(3):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -186,3 +187,17 @@ def test_a_store_that_can_have_slots_is_not_shed_however_soon_vllm_waits(store):
     s.wait_engine_blocks([1])  # at once: the store's command may not have run yet
     assert not client.wait(1).failures and s.counters["store_blocks_shed"] == 0
     assert s.counters["store_published"] == 3
+
+
+def test_a_store_through_dram_slots_is_filled_and_not_shed_while_staging_is_exhausted(store):
+    s, client = store(dram_slots=2, client_type=HeldFills)
+    first, second = [bytes([11, i]) * 16 for i in range(8)], [bytes([12, i]) * 16 for i in range(2)]
+    submit(s, client, 1, first, load=False)  # 4 staging slots: 4 blocks copied in, 4 wait for a slot
+    submit(s, client, 2, second, load=False, dram=[0, 1])
+    deadline = time.monotonic() + 10
+    while len(client.held) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(client.held) == 6  # the DRAM-slot store's copies started although staging was full
+    client.release()
+    s.wait_engine_blocks([2])
+    assert not client.wait(2).failures and s.counters["store_blocks_shed"] == 0
