@@ -183,9 +183,11 @@ def test_stage_s4_compares_authenticated_hits_with_verify_full_and_keeps_them_ou
             recs.append({"kind": "ttft", "stage": "S4", "label": f"pykv-stripe1-{variant}-query", "system": "pykv",
                          "medium": "stripe1", "variant": variant, "phase": "query", "length": length, "doc": 0,
                          "ttft": t, "cached": length - 256, "expected_cached": length - 256, "ts": 700,
-                         "load_blocks_disk": length // 256 - 1, "load_blocks_failed_disk": 0})
+                         "load_blocks_disk": length // 256 - 1, "load_blocks_failed_disk": 0,
+                         "load_job_bytes": length * 100_000, "load_job_us": int(t * 1e6)})
     text, md, summary = build_report(recs)
     assert "not a clean disk hit" not in text
+    assert "load jobs, GB/s per query: verify=full 4.10, auth_key_file 4.00" in text  # 32k: 3.28 GB / 0.80 s, / 0.82 s
     assert "L=32,768: verify=full 0.800 s, auth_key_file 0.820 s = 1.025x" in text
     assert "L=81,920: verify=full 2.000 s, auth_key_file 2.120 s = 1.060x (target <= 1.05x): FAIL" in md
     assert summary["striping"]["lengths"][81920]["pykv"][1] != 2.12  # the auth engine is not pooled with the defaults

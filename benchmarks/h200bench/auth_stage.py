@@ -79,6 +79,10 @@ def report_lines(records: list[dict]) -> list[str]:
         target = f" (target <= {TARGET_RATIO:.2f}x): {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}" \
             if length == TARGET_LENGTH else ""
         lines.append(f"L={length:,}: verify=full {full:.3f} s, auth_key_file {auth:.3f} s = {ratio:.3f}x{target}")
+        rates = {variant: load_rates(ttft, length, variant) for variant in ("defaults", VARIANT)}
+        if all(rates.values()):
+            lines.append(f"  load jobs, GB/s per query: verify=full {fmt_rates(rates['defaults'])}, "
+                         f"auth_key_file {fmt_rates(rates[VARIANT])}")
     for r in ttft:
         if r.get("cached") is not None and r["cached"] < r.get("expected_cached", 0):
             lines.append(f"warning: {r['label']} L={r['length']:,} cached {r['cached']} of {r['expected_cached']} tokens")
@@ -86,3 +90,14 @@ def report_lines(records: list[dict]) -> list[str]:
             lines.append(f"warning: {r['label']} L={r['length']:,} loaded {r.get('load_blocks_disk')} blocks from disk, "
                          f"{r.get('load_blocks_failed_disk')} failed: not a clean disk hit")
     return lines
+
+
+def load_rates(ttft: list[dict], length: int, variant: str) -> list[float]:
+    """Each query's own load job in GB/s (its bytes over its time): the load path without TTFT's
+    other parts, where run 10 told the two variants apart."""
+    return sorted(r["load_job_bytes"] / r["load_job_us"] / 1e3 for r in ttft
+                  if r["length"] == length and r.get("variant") == variant and r.get("load_job_us"))
+
+
+def fmt_rates(rates: list[float]) -> str:
+    return f"{rates[0]:.2f}" if len(rates) == 1 else f"{rates[0]:.2f}-{rates[-1]:.2f} (n={len(rates)})"
