@@ -234,6 +234,10 @@ class ReactorPolicy:
         elif p.stage is Stage.READY:
             self._end(p, ok=True)
 
+    def queued_stores(self) -> list[int]:
+        """Stores waiting for a ledger slot, oldest first: what ``shed`` may drop."""
+        return [t.id for t in self._in(Stage.QUEUED, category="store")]
+
     def shed(self, transfer_id: int) -> bool:
         """Drop a store still waiting for a slot (CANCELLED, nothing was copied); False for any
         other transfer (a store being filled or written goes on)."""
@@ -270,15 +274,14 @@ class ReactorPolicy:
             t.stage = Stage.WRITING
             io_used[t.lane] += 1
             actions.append(Write(t.id, t.slot))
-        for t in self._in(Stage.QUEUED, Kind.STORE):  # FIFO; one that brought its slot never waits
+        for t in self._in(Stage.QUEUED, category="store"):  # FIFO, each waiting for a ledger slot
             if not self._take_slot(t, reclaim=True):
                 break
             t.stage = Stage.FILLING
             actions.append(Fill(t.id, t.slot))
-        for lane, _ in self._index.sizes(Stage.QUEUED, "store_slotted"):
-            for t in list(self._index.oldest_first(Stage.QUEUED, "store_slotted", lane)):
-                t.stage = Stage.FILLING
-                actions.append(Fill(t.id, t.slot))
+        for t in self._in(Stage.QUEUED, category="store_slotted"):  # brought their slots: never wait
+            t.stage = Stage.FILLING
+            actions.append(Fill(t.id, t.slot))
         queued = self._in(Stage.QUEUED, demand=True)
         for t in queued:
             if window[t.lane] >= self.open_ahead:
@@ -374,10 +377,12 @@ class ReactorPolicy:
             load.stage, load.source = Stage.QUEUED, None
 
     def _in(self, stage: Stage, kind: Kind | None = None, *, demand: bool | None = None,
-            skip: set[int] = frozenset()) -> FifoMerge:
-        """Transfers in ``stage`` in FIFO order over all lanes but ``skip``: of ``kind``, or
-        loads/preloads by ``demand``."""
-        if kind is not None:
+            category: str | None = None, skip: set[int] = frozenset()) -> FifoMerge:
+        """Transfers in ``stage`` in FIFO order over all lanes but ``skip``: of ``kind``, of one
+        index ``category``, or loads/preloads by ``demand``."""
+        if category is not None:
+            categories = (category,)
+        elif kind is not None:
             categories = CATEGORIES[kind]
         else:
             categories = ("load", "claimed") if demand else ("speculative",)

@@ -198,8 +198,9 @@ class Reactor(LoadSteps, StoreSteps):
     def _shed(self, jobs: set[object]) -> list[tuple[object, int]]:
         self._perform(self.policy.step())  # a store that can have a slot now keeps its blocks
         shed = []
-        for tid, t in list(self._transfers.items()):
-            if t.job.result.kind is Kind.STORE and t.job.result.job in jobs and self.policy.shed(tid):
+        for tid in self.policy.queued_stores():
+            t = self._transfers[tid]
+            if t.job.result.job in jobs and self.policy.shed(tid):
                 self._fail(t, SHED)
                 shed.append((t.job.result.job, t.index))
         return shed

@@ -46,7 +46,7 @@ def start(work: Path, name: str, ktc: dict | None, steps: list[dict], engine: di
     """Start an engine process playing ``steps``; ``prelude``: test glue run in it before the engine
     starts (it can import the test helpers)."""
     plan = {"model": str(work / "model"), "kv_transfer_config": ktc, "steps": steps, "engine": engine or {},
-            "prelude": f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{prelude}" if prelude else None}
+            "prelude": with_test_helpers(prelude) if prelude else None}
     (work / f"{name}.plan.json").write_text(json.dumps(plan))
     out = work / f"{name}.out.json"
     log = open(work / f"{name}.log", "w")
@@ -96,7 +96,12 @@ def mark(name: str) -> dict:
 
 def run_code(code: str) -> dict:
     """An ``exec`` step that can import the reliability helpers."""
-    return {"op": "exec", "code": f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{code}"}
+    return {"op": "exec", "code": with_test_helpers(code)}
+
+
+def with_test_helpers(code: str) -> str:
+    """``code`` preceded by what lets it import the test helpers (``worker_helpers``, ``reliability``)."""
+    return f"import sys; sys.path.insert(0, {str(TESTS)!r})\n{code}"
 
 
 def ktc(root: Path | list[Path], block_tokens: int = 256, **keys) -> dict:
