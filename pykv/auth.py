@@ -15,6 +15,7 @@ log line or ``repr``: only the file's path and the key ids do.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hmac
 import os
@@ -31,8 +32,9 @@ KEY_BYTES = 32
 MAX_KEYS = 64
 MAX_KEY_FILE_BYTES = 64 << 10
 HASH_THREADS = blake3.blake3.AUTO
-"""A block's MAC is hashed on blake3's own thread pool (all cores), so a few verifier threads
-keep up with several devices' reads and the last block of a load is hashed soonest."""
+"""By default a block's MAC is hashed on blake3's own thread pool (all cores), so a few verifier
+threads keep up with several devices' reads and the last block of a load is hashed soonest;
+``KeyRing.hash_threads`` (config ``mac_threads``) bounds it."""
 
 
 class KeyFileError(InputError):
@@ -79,6 +81,11 @@ class KeyRing:
     path: str
     write_id: bytes
     _keys: Mapping[bytes, bytes] = field(compare=False)
+    hash_threads: int = HASH_THREADS  # threads hashing one block's MAC (blake3's max_threads)
+
+    def with_hash_threads(self, threads: int) -> "KeyRing":
+        """This ring hashing each MAC on ``threads`` threads (0: blake3's pool over all cores)."""
+        return dataclasses.replace(self, hash_threads=threads or HASH_THREADS)
 
     @property
     def key_ids(self) -> tuple[str, ...]:
@@ -101,13 +108,13 @@ class KeyRing:
         key = self._keys.get(header.key_id)
         if key is None:
             return AuthStatus.UNKNOWN_KEY
-        hasher = blake3.blake3(key=key, max_threads=HASH_THREADS)
+        hasher = blake3.blake3(key=key, max_threads=self.hash_threads)
         hasher.update(memoryview(head)[:SIGNED_BYTES])
         return hasher
 
     def signing_hasher(self, head: bytes | memoryview) -> "blake3.blake3":
         """A hasher of the write key fed ``head``'s signed bytes (a header encoded with ``write_id``)."""
-        hasher = blake3.blake3(key=self._keys[self.write_id], max_threads=HASH_THREADS)
+        hasher = blake3.blake3(key=self._keys[self.write_id], max_threads=self.hash_threads)
         hasher.update(memoryview(head)[:SIGNED_BYTES])
         return hasher
 

@@ -71,12 +71,12 @@ def _interval(value: Any, key: str) -> float:
     return seconds
 
 
-def _positive_int(maximum: int) -> Callable[[Any, str], int]:
-    """A parser of integers in 1..``maximum`` (a bound so no key can ask for unbounded resources)."""
+def _positive_int(maximum: int, minimum: int = 1) -> Callable[[Any, str], int]:
+    """A parser of integers in ``minimum``..``maximum`` (a bound so no key can ask for unbounded resources)."""
     def parse(value: Any, key: str) -> int:
         text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
-        if not text.isdecimal() or len(text) > len(str(maximum)) or not 1 <= int(text) <= maximum:
-            raise InputError(f"{PREFIX}.{key}: expected an integer from 1 to {maximum}, got {str(value)[:40]!r}")
+        if not text.isdecimal() or len(text) > len(str(maximum)) or not minimum <= int(text) <= maximum:
+            raise InputError(f"{PREFIX}.{key}: expected an integer from {minimum} to {maximum}, got {str(value)[:40]!r}")
         return int(text)
     return parse
 
@@ -207,6 +207,8 @@ class PykvConfig:
                                      "the first key signs, all verify; mode 0600): every block stored is signed, "
                                      "every load needs a valid MAC (else a miss, quarantined). See "
                                      "docs/format.md.", "path")
+    mac_threads: int = _key(_positive_int(64, minimum=0), 0, "Threads that hash one block's MAC (auth_key_file); "
+                            "0: BLAKE3's pool over all cores.", "int")
     breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "
                                       "than their tier's break-even length are refused (recomputed).", "path")
     breakeven_override: bool = _key(_bool, False, "Use breakeven_file even if its model, dtype or KV layout "

@@ -134,7 +134,7 @@ def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, 
                                    read_segment=config.read_segment_bytes, verify_threads=config.verify_threads)
     backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes),
                            directory=devices[0].root)
-    keys = load_key_ring(config.auth_key_file) if config.auth_key_file else None
+    keys = load_key_ring(config.auth_key_file).with_hash_threads(config.mac_threads) if config.auth_key_file else None
     return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
                    on_job_done=on_job_done, keys=keys)
 

@@ -10,15 +10,17 @@ import struct
 import threading
 from pathlib import Path
 
+import blake3
 import pytest
 import xxhash
 from treefactory import NS as TREE_NS, add_block, key, make_tree
 from typer.testing import CliRunner
 
-from pykv.auth import AuthStatus, KeyFileError, KeyRing, check, load_key_ring, write_key_file
+from pykv.auth import AuthStatus, KeyFileError, KeyRing, check, load_key_ring, sign, write_key_file
 from pykv.blockfile import check_block, read_header, signed_with, write_block
 from pykv.commands.app import app
 from pykv.config import PykvConfig
+from pykv.errors import InputError
 from pykv.failures import Step
 from pykv.format import HEADER_SIZE, MAC_FIELD, SIGNED_VERSION, Geometry, decode_header
 from pykv.jobledger import JobEnd
@@ -125,6 +127,23 @@ def test_the_key_bytes_appear_in_no_repr_and_no_config_output(tmp_path):
 def signed_file(tmp_path: Path, keys: KeyRing) -> Path:
     tree = make_tree(tmp_path)
     return add_block(tree, key(1), keys=keys)
+
+
+def test_the_mac_is_the_same_on_any_number_of_hashing_threads(tmp_path):
+    keys = ring(tmp_path, "keys", {"k1": KEY_A})
+    head = bytearray(HEADER_SIZE)
+    head[:4] = b"head"
+    data = os.urandom(3 << 20)  # several of BLAKE3's chunk groups, so a pool has work to split
+    macs = {threads: sign(keys.with_hash_threads(threads), bytearray(head), data) for threads in (0, 1, 2, 7)}
+    assert len(set(macs.values())) == 1
+    assert keys.with_hash_threads(0).hash_threads == blake3.blake3.AUTO
+
+
+@pytest.mark.parametrize("value", [-1, 65, "x", True])
+def test_mac_threads_is_bounded(value):
+    with pytest.raises(InputError, match="mac_threads: expected an integer from 0 to 64"):
+        PykvConfig.from_extra_config({"root": "/r", "mac_threads": value})
+    assert PykvConfig.from_extra_config({"root": "/r", "mac_threads": "0"}).mac_threads == 0
 
 
 def test_a_signed_block_is_header_v2_with_the_write_key_id_and_verifies(tmp_path):
@@ -242,9 +261,11 @@ def plant(client: Client, block_key: bytes, keys: KeyRing | None) -> Path:
     return block_path(client, block_key)
 
 
-def test_an_engine_with_a_key_signs_what_it_stores_and_loads_it(tmp_path, engine):
+@pytest.mark.parametrize("mac_threads", [0, 1, 3])
+def test_an_engine_with_a_key_signs_what_it_stores_and_loads_it(tmp_path, engine, mac_threads):
     keys = key_file(tmp_path, "keys", {"k1": KEY_A})
-    writer = engine(keys)
+    writer = engine(keys, mac_threads=mac_threads)
+    assert writer.store.reactor.keys.hash_threads == (mac_threads or blake3.blake3.AUTO)
     assert not writer.run(1, KEYS, load=False).failures
     for k in KEYS:
         header = read_header(block_path(writer, k))

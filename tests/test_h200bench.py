@@ -178,7 +178,8 @@ def test_the_report_checks_issue_17s_targets_against_the_best_aggregate_and_the_
 
 def test_stage_s4_compares_authenticated_hits_with_verify_full_and_keeps_them_out_of_issue_17s_table():
     recs = stripe_records()
-    for variant, ttft in (("defaults", {32768: 0.80, 81920: 2.00}), ("auth", {32768: 0.82, 81920: 2.12})):
+    for variant, ttft in (("defaults", {32768: 0.80, 81920: 2.00}), ("auth", {32768: 0.82, 81920: 2.12}),
+                          ("auth-1t", {32768: 0.80, 81920: 2.06})):
         for length, t in ttft.items():
             recs.append({"kind": "ttft", "stage": "S4", "label": f"pykv-stripe1-{variant}-query", "system": "pykv",
                          "medium": "stripe1", "variant": variant, "phase": "query", "length": length, "doc": 0,
@@ -187,25 +188,28 @@ def test_stage_s4_compares_authenticated_hits_with_verify_full_and_keeps_them_ou
                          "load_job_bytes": length * 100_000, "load_job_us": int(t * 1e6)})
     text, md, summary = build_report(recs)
     assert "not a clean disk hit" not in text
-    assert "load jobs, GB/s per query: verify=full 4.10, auth_key_file 4.00" in text  # 32k: 3.28 GB / 0.80 s, / 0.82 s
+    assert "load jobs, GB/s per query: verify=full 4.10, auth_key_file 4.00, auth_key_file, mac_threads=1 4.10" \
+        in text  # 32k: 3.28 GB / 0.80 s, / 0.82 s
+    assert "L=81,920: verify=full 2.000 s, auth_key_file, mac_threads=1 2.060 s = 1.030x (target <= 1.05x): PASS" in md
     assert "L=32,768: verify=full 0.800 s, auth_key_file 0.820 s = 1.025x" in text
     assert "L=81,920: verify=full 2.000 s, auth_key_file 2.120 s = 1.060x (target <= 1.05x): FAIL" in md
     assert summary["striping"]["lengths"][81920]["pykv"][1] != 2.12  # the auth engine is not pooled with the defaults
 
 
-def test_the_dry_run_of_stage_s4_alternates_defaults_and_a_key_on_one_device(tmp_path):
+def test_the_dry_run_of_stage_s4_alternates_defaults_and_two_keyed_variants_on_one_device(tmp_path):
     result = subprocess.run([sys.executable, str(BENCHMARKS / "h200_connector.py"), "stage", "S4", "--dry-run",
                              "--work", str(tmp_path / "work"), "--mount-base", str(tmp_path / "mnt"),
                              "--shm", str(tmp_path / "shm")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
-    assert engines == ["pykv-stripe1-fill", "pykv-stripe1-query", "pykv-stripe1-auth-fill", "pykv-stripe1-auth-query",
-                       "pykv-stripe1-fill-again", "pykv-stripe1-query-again", "pykv-stripe1-auth-fill-again",
-                       "pykv-stripe1-auth-query-again"]
+    once = ["pykv-stripe1-fill", "pykv-stripe1-query", "pykv-stripe1-auth-fill", "pykv-stripe1-auth-query",
+            "pykv-stripe1-auth-1t-fill", "pykv-stripe1-auth-1t-query"]
+    assert engines == once + [engine + "-again" for engine in once]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
-    assert [("auth_key_file" in c, c["verify"]) for c in configs] == [(False, "full"), (False, "full"), (True, "full"),
-                                                                      (True, "full")] * 2
+    assert [("auth_key_file" in c, c.get("mac_threads"), c["verify"]) for c in configs] == \
+        [(False, 0, "full")] * 2 + [(True, 0, "full")] * 2 + [(True, 1, "full")] * 2 + \
+        [(False, 0, "full")] * 2 + [(True, 0, "full")] * 2 + [(True, 1, "full")] * 2
 
 
 def test_the_report_without_striped_records_has_no_issue_17_section():
