@@ -69,6 +69,8 @@ def test_summarize_decodes_splits_window_and_quiet_and_counts_merged_outputs():
     out = summarize_decodes([decode], (1.5, 3.0))
     assert out["window"]["n"] == 4  # the tokens that arrived at 2.0, 2.5 (two) and 3.0
     assert out["quiet"]["n"] == 2  # at 1.0 and 4.0 (the first output is the decode's first token: no gap)
+    assert out["before"]["n"] == 1 and out["before"]["mean_ms"] == 1000.0  # 0.0 -> 1.0
+    assert out["after"]["n"] == 1 and out["after"]["max_ms"] == 1000.0  # 3.0 -> 4.0
     assert out["overall"]["n"] == 6 and out["tokens"] == 7 and out["merged_outputs"] == 1
     assert out["coverage"] == 1.0 and out["window_s"] == 1.5
 
@@ -104,6 +106,17 @@ def test_the_report_checks_pykv_against_no_connector_and_native_offloading():
     assert any("mean ITL pykv / native offloading = 0.962x" in line and "PASS" in line for line in lines)
     assert any("p99 ITL pykv / native offloading = 1.024x" in line and "FAIL" in line for line in lines)
     assert not section.warnings
+
+
+
+def test_the_report_compares_the_itl_after_the_window_where_the_streams_stores_drain():
+    records = [itl_record("none", 20.0, 40.0), itl_record("pykv", 20.0, 40.0)]
+    records[0]["itl"]["after"] = {"n": 500, "mean_ms": 18.0, "p50_ms": 18.0, "p99_ms": 19.0, "max_ms": 19.0}
+    records[1]["itl"]["after"] = {"n": 500, "mean_ms": 27.0, "p50_ms": 27.0, "p99_ms": 38.0, "max_ms": 38.0}
+    section = build(records)
+    assert any("after-window mean ITL pykv / no connector = 1.500x (context" in line for line in section.text)
+    assert any("after-window p99 ITL pykv / no connector = 2.000x" in line for line in section.text)
+    assert build([itl_record("none", 20.0, 40.0), itl_record("pykv", 20.0, 40.0)]) is not None  # older records
 
 
 def test_the_report_takes_each_systems_latest_record_and_warns_about_what_spoils_the_measure():

@@ -65,15 +65,19 @@ def build(records: list[dict]) -> Section | None:
         r = latest[system]
         itl, t = r["itl"], r["ttft"]
         w, q, o = itl.get("window", {}), itl.get("quiet", {}), itl["overall"]
+        before, after = itl.get("before", {}), itl.get("after", {})
         rows.append([system, fmt(w.get("mean_ms")), fmt(w.get("p50_ms")), fmt(w.get("p99_ms")), str(w.get("n", 0)),
-                     fmt(q.get("mean_ms")), fmt(o.get("mean_ms")), fmt(o.get("p99_ms")),
+                     fmt(q.get("mean_ms")), fmt(before.get("mean_ms")), fmt(after.get("mean_ms")),
+                     fmt(o.get("mean_ms")), fmt(o.get("p99_ms")),
                      fmt(itl.get("window_s"), ".1f"), fmt(itl.get("coverage")), fmt(t["hit"]["mean"], ".3f"),
                      fmt(t["miss"]["mean"], ".3f"), work_cell(r)])
-    s.table("decode inter-token latency, ms (window: while long prompts were in flight; quiet: outside it)",
-            ["system", "window mean", "p50", "p99", "tokens", "quiet mean", "overall mean", "overall p99",
+    s.table("decode inter-token latency, ms (window: while long prompts were in flight; quiet: outside it, "
+            "before and after it)",
+            ["system", "window mean", "p50", "p99", "tokens", "quiet mean", "before", "after", "overall mean",
+             "overall p99",
              "window s", "coverage", "long TTFT hits s", "misses s", "pykv stored / loaded / preloads claimed"], rows)
     lines, summary = [], {"systems": {k: {"itl": v["itl"], "ttft": v["ttft"]} for k, v in latest.items()}}
-    for part in ("window", "overall"):
+    for part in ("window", "after", "overall"):
         rs = ratios(latest, part)
         summary[f"ratios_{part}"] = rs
         for other, limit, name in (("none", ITL_TARGETS["vs_none"], "no connector"),
@@ -85,6 +89,9 @@ def build(records: list[dict]) -> Section | None:
                 if part == "window":
                     lines.append(f"window {stat} ITL pykv / {name} = {value:.3f}x (target <= {limit:.2f}x): "
                                  f"{verdict(value <= limit)}")
+                elif part == "after":
+                    lines.append(f"after-window {stat} ITL pykv / {name} = {value:.3f}x (context: the stream's "
+                                 "stores still being written)")
                 else:
                     lines.append(f"overall {stat} ITL pykv / {name} = {value:.3f}x (context)")
     for other in ("none", "native"):

@@ -103,7 +103,8 @@ def coverage(decodes: list[dict], window: tuple[float, float]) -> float:
 
 
 def summarize_decodes(decodes: list[dict], window: tuple[float, float] | None) -> dict:
-    """ITL statistics of all decodes together: in the window, outside it, overall; merged outputs."""
+    """ITL statistics of all decodes together: in the window, outside it (and its parts before and
+    after it), overall; merged outputs."""
     gaps = [g for d in decodes for g in token_gaps(d["arrivals"])]
     out = {"overall": itl_stats([g for _, g in gaps]),
            "merged_outputs": sum(1 for d in decodes for _, n in d["arrivals"][1:] if n > 1),
@@ -111,6 +112,8 @@ def summarize_decodes(decodes: list[dict], window: tuple[float, float] | None) -
     if window is not None:
         out["window"] = itl_stats(in_window(gaps, *window))
         out["quiet"] = itl_stats(outside_window(gaps, *window))
+        out["before"] = itl_stats(in_window(gaps, None, window[0]))  # decodes alone
+        out["after"] = itl_stats(in_window(gaps, window[1], None))  # the stream's stores may still be written
         out["window_s"] = round(window[1] - window[0], 3)
         out["coverage"] = coverage(decodes, window)
     return out
