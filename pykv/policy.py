@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pykv.policy_actions import Action, Deliver, Fill, Finish, Open, Read, Write
 from pykv.policy_index import CATEGORIES, FifoMerge, Kind, Stage, StageIndex, Transfer
 from pykv.staging import SlotLedger
 
@@ -62,50 +63,6 @@ __all__ = ["Action", "Deliver", "Fill", "Finish", "Kind", "Open", "ReactorPolicy
 _READ_WINDOW = {Stage.OPENING, Stage.OPENED}
 _SPECULATIVE_IO = {Stage.OPENING, Stage.OPENED, Stage.READING}
 _CLAIMABLE = {Stage.QUEUED, Stage.OPENING, Stage.OPENED, Stage.READING, Stage.VERIFYING, Stage.READY}
-
-
-# -- actions ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Open:
-    """Open the block file of load ``transfer``."""
-    transfer: int
-
-
-@dataclass(frozen=True)
-class Read:
-    """Read the opened file of ``transfer`` into ``slot``."""
-    transfer: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class Fill:
-    """Ask the producer to put store ``transfer``'s payload into ``slot``."""
-    transfer: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class Write:
-    """Write the filled slot of store ``transfer`` to a temp file and publish it."""
-    transfer: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Hand these ready loads (transfer, slot) to the consumer as one batch."""
-    blocks: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class Finish:
-    """``transfer`` ended (``ok`` or not); its slot is already released."""
-    transfer: int
-    ok: bool
-
-
-Action = Open | Read | Fill | Write | Deliver | Finish
 
 
 @dataclass
