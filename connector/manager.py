@@ -312,6 +312,8 @@ class PykvManager(OffloadingManager):
         ``pykv fsck`` and the lease blocks other engines' eviction until it expires."""
         if self.evictor is not None:
             self.evictor.close()
+        self._write_stats()
+        self._stats_file.flush()
 
     def _write_stats(self) -> None:
         if not self._stats_file.enabled:

@@ -190,6 +190,7 @@ class PykvWorker(OffloadingWorker):
         self._slot_tensors.clear()
         self.store.close()
         self._write_stats()
+        self._stats_file.flush()
 
     # -- vLLM's blocks to pykv's ---------------------------------------------------------------
     def _chunks(self, spec: GPULoadStoreSpec, keys, slots, resident, *, store: bool) -> list[_Chunk]:

@@ -11,21 +11,26 @@ Two kinds of counters:
   read these files.
 
 A counter file is ``$PYKV_STATS_FILE.<role>.json`` (roles ``scheduler``, ``worker0``,
-``worker1``, ...), one JSON object of name to integer, replaced atomically whenever the
-process's counters change. ``read_counters`` reads them back bounded and tolerant: a
+``worker1``, ...), one JSON object of name to integer, replaced atomically (by a writer
+thread, off the engine's step) whenever the process's counters change. ``read_counters`` reads them back bounded and tolerant: a
 file that is missing, half written, oversized or not an object of integers is skipped.
 """
 
 from __future__ import annotations
 
+import atexit
 import enum
 import json
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from pykv.io.atomic import write_atomically
+
+log = logging.getLogger(__name__)
 
 ENV = "PYKV_STATS_FILE"
 MAX_FILE_BYTES = 1 << 20  # a counter file is a few KiB; anything larger is not one
@@ -150,12 +155,23 @@ WORKER_COUNTER_DOCS = {counter: counter.doc for counter in WorkerCounter}
 
 class CounterFile:
     """Writes one process's counters for ``role`` ("scheduler", "worker0", ...) when
-    ``PYKV_STATS_FILE`` is set; a no-op otherwise."""
+    ``PYKV_STATS_FILE`` is set; a no-op otherwise.
+
+    ``write`` only takes a snapshot: a writer thread (started on the first change) replaces
+    the file, so the engine's step never waits on a create and a rename (~0.15 ms each on
+    ext4). Snapshots that arrive while it writes are coalesced: the file gets the latest.
+    ``flush`` waits until it is written; at interpreter exit the last one is written too."""
 
     def __init__(self, role: str, *, base: str | None = None) -> None:
         base = base if base is not None else os.environ.get(ENV)
         self.path = f"{base}.{role}.json" if base else None
         self._last: dict | None = None
+        self._pending: dict | None = None
+        self._writing = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._failed = False
 
     @property
     def enabled(self) -> bool:
@@ -163,13 +179,40 @@ class CounterFile:
         return self.path is not None
 
     def write(self, counters: Mapping[str, int]) -> None:
+        """Have the file replaced by these counters soon (nothing happens when they did not change)."""
         if self.path is None:
             return
         snapshot = {str(name): int(value) for name, value in counters.items()}
-        if snapshot == self._last:
-            return
-        self._last = snapshot
-        write_atomically(self.path, json.dumps(snapshot, sort_keys=True), durable=False)
+        with self._changed:
+            if snapshot == self._last:
+                return
+            self._last = self._pending = snapshot
+            if self._thread is None or self._pid != os.getpid():  # none yet, or forked without it
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name=f"pykv-counters-{self.path}", daemon=True)
+                self._thread.start()
+                atexit.register(self.flush)
+            self._changed.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait (at most ``timeout`` seconds) until the last snapshot is in the file; whether it is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pending is None and not self._writing, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None)
+                snapshot, self._pending, self._writing = self._pending, None, True
+            try:
+                write_atomically(self.path, json.dumps(snapshot, sort_keys=True), durable=False)
+            except OSError as exc:
+                if not self._failed:  # once: the counters are a diagnostic, serving goes on
+                    self._failed = True
+                    log.warning("pykv: cannot write counter file %s (%s)", self.path, exc.strerror or exc)
+            with self._changed:
+                self._writing = False
+                self._changed.notify_all()
 
 
 @dataclass(frozen=True)

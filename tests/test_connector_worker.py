@@ -441,6 +441,7 @@ def test_the_end_of_early_released_writes_reaches_the_stats_file_without_another
     worker.submit_store(1, GPULoadStoreSpec(list(range(12)), [12], [0]), manager.prepare_store(ks, ctx).store_spec)
     run(worker, 1)  # vLLM's last get_finished: the job is done for it, its writes are not
     path = tmp_path / "stats.worker0.json"
+    assert worker._stats_file.flush()
     assert json.loads(path.read_text())["jobs_in_flight"] == 1
 
     backends[0].release()

@@ -30,9 +30,11 @@ def test_a_ttft_record_takes_load_bandwidth_from_the_workers_own_load_job_counte
     files = [CounterFile(f"worker{rank}", base=base) for rank in (0, 1)]
     for f in files:
         f.write({WorkerCounter.LOAD_JOBS: 1, WorkerCounter.LOAD_JOB_BYTES: 100, WorkerCounter.LOAD_JOB_US: 10})
+        assert f.flush()
     before = read_stats(base)
     files[0].write({WorkerCounter.LOAD_JOBS: 2, WorkerCounter.LOAD_JOB_BYTES: 100 + 3_000_000_000,
                     WorkerCounter.LOAD_JOB_US: 10 + 1_000_000, WorkerCounter.LOAD_BLOCKS_DISK: 7})
+    assert files[0].flush()
     fields = counter_fields(before, read_stats(base))
     assert fields["load_job_bytes"] == 3_000_000_000 and fields["load_job_us"] == 1_000_000
     assert fields["load_jobs"] == 1 and fields["load_blocks_disk"] == 7
