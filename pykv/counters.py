@@ -188,28 +188,42 @@ class CounterFile:
                 return
             self._last = self._pending = snapshot
             if self._thread is None or self._pid != os.getpid():  # none yet, or forked without it
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name=f"pykv-counters-{self.path}", daemon=True)
-                self._thread.start()
-                atexit.register(self.flush)
+                self._writing = False
+                if not self._start_writer():
+                    self._pending = None
+                    self._write_now(snapshot)  # interpreter shutting down: no new thread
+                    return
             self._changed.notify_all()
+
+    def _start_writer(self) -> bool:
+        thread = threading.Thread(target=self._run, name=f"pykv-counters-{self.path}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            return False
+        self._pid, self._thread = os.getpid(), thread
+        atexit.register(self.flush)
+        return True
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait (at most ``timeout`` seconds) until the last snapshot is in the file; whether it is."""
         with self._changed:
             return self._changed.wait_for(lambda: self._pending is None and not self._writing, timeout)
 
+    def _write_now(self, snapshot: dict) -> None:
+        try:
+            write_atomically(self.path, json.dumps(snapshot, sort_keys=True), durable=False)
+        except OSError as exc:
+            if not self._failed:  # once: the counters are a diagnostic, serving goes on
+                self._failed = True
+                log.warning("pykv: cannot write counter file %s (%s)", self.path, exc.strerror or exc)
+
     def _run(self) -> None:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending is not None)
                 snapshot, self._pending, self._writing = self._pending, None, True
-            try:
-                write_atomically(self.path, json.dumps(snapshot, sort_keys=True), durable=False)
-            except OSError as exc:
-                if not self._failed:  # once: the counters are a diagnostic, serving goes on
-                    self._failed = True
-                    log.warning("pykv: cannot write counter file %s (%s)", self.path, exc.strerror or exc)
+            self._write_now(snapshot)
             with self._changed:
                 self._writing = False
                 self._changed.notify_all()

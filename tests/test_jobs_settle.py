@@ -63,3 +63,16 @@ def test_a_counter_file_that_cannot_be_written_warns_once_and_serving_goes_on(tm
         f.write({WorkerCounter.STORE_PUBLISHED: n})
         assert f.flush()
     assert [r.levelname for r in caplog.records if "counter file" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_counter_file_changed_at_interpreter_shutdown_is_written_at_once(tmp_path, monkeypatch):
+    import json
+    import threading
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    f = CounterFile("worker0", base=str(tmp_path / "engine.stats"))
+    f.write({WorkerCounter.STORE_PUBLISHED: 4})
+    assert json.loads((tmp_path / "engine.stats.worker0.json").read_text()) == {"store_published": 4}
+    assert f.flush(timeout=0.1)
