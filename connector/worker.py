@@ -45,6 +45,9 @@ from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, Worker
 
 log = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 0.05
+"""With ``PYKV_STATS_FILE``: how stale the progress counters of running jobs may get in the file."""
+
 
 @dataclass
 class _Chunk:
@@ -82,6 +85,7 @@ class PykvWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._stats_file = CounterFile(f"worker{self.rank}")
         self._stats_lock = threading.Lock()
+        self._stats_in_flight, self._stats_due = -1, 0.0  # jobs at the last counter write, and the next one's time
         self.early_release = True  # whatever the world size: the scheduler counts every rank's write ends
         shape = EngineShape(namespace_for(config, rank=self.rank), slot_bytes(config), transient, dram, self.rank,
                             self.early_release)
@@ -154,7 +158,11 @@ class PykvWorker(OffloadingWorker):
                 if failed_ids:
                     self._failed_jobs.add(result.job_id)
                 self._report = self._report.merge(report)
-        self._write_stats()
+            in_flight = len(self._jobs)
+        # vLLM calls this many times per step (and spins on it while loads run): the counters are
+        # gathered only when jobs came or went, or every STATS_INTERVAL_S for the progress counters
+        if finished or in_flight != self._stats_in_flight or time.monotonic() >= self._stats_due:
+            self._write_stats()
         return [result for result, _, _ in finished]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -294,5 +302,7 @@ class PykvWorker(OffloadingWorker):
         with self._stats_lock:
             with self._lock:
                 in_flight = len(self._jobs) + len(self._finished)
+                self._stats_in_flight = len(self._jobs)
+            self._stats_due = time.monotonic() + STATS_INTERVAL_S
             self._stats_file.write({**self.store.stats(), **getattr(self.copier, "stats", {}),
                                     WorkerCounter.JOBS_IN_FLIGHT: in_flight})

@@ -454,6 +454,29 @@ def test_the_end_of_early_released_writes_reaches_the_stats_file_without_another
     assert stats["jobs_in_flight"] == 0 and stats["store_published"] == 3
 
 
+def test_idle_get_finished_calls_do_not_gather_the_counters_but_a_new_job_does(rig, tmp_path, monkeypatch):
+    """vLLM calls ``get_finished`` many times per step: the counters are gathered only when jobs
+    came or went (or every ``STATS_INTERVAL_S``), and a new job still reaches the file at once."""
+    import json
+
+    from pykv.connector import worker as worker_module
+    monkeypatch.setenv("PYKV_STATS_FILE", str(tmp_path / "stats"))
+    monkeypatch.setattr(worker_module, "STATS_INTERVAL_S", 60.0)
+    hold_writes(monkeypatch)
+    manager, worker, kv = rig()
+    gathered = []
+    stats = worker.store.stats
+    monkeypatch.setattr(worker.store, "stats", lambda: gathered.append(1) or stats())
+    for _ in range(200):
+        assert worker.get_finished() == []
+    assert len(gathered) == 1  # the first call (nothing written yet)
+    ks = keys(2, salt=31)
+    worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ReqContext("r")).store_spec)
+    worker.get_finished()
+    assert len(gathered) == 2 and worker._stats_file.flush()
+    assert json.loads((tmp_path / "stats.worker0.json").read_text())["jobs_in_flight"] == 1
+
+
 def test_a_reader_instance_loads_what_a_writer_stored_and_stores_nothing(rig):
     """``store: false``: another instance's blocks load as usual; new KV is never written."""
     writer, writer_worker, kv = rig()
