@@ -278,6 +278,17 @@ def test_the_report_shows_the_reactor_pass_beside_the_aggregate():
     assert "8 devices, pykv reactor threadpool, verify=auth: 12.00 GB/s = 50% of O_DIRECT" in text
 
 
+def test_the_host_copy_probe_moves_every_threads_bytes_and_the_report_keeps_the_best_per_thread_count():
+    from h200bench.multibw import COPY_WHAT, host_copy
+    out = host_copy(2, size=8 << 20, reps=2)
+    assert out["threads"] == 2 and out["bytes"] == 2 * (8 << 20) * 2 and out["gb_per_s"] > 0
+    recs = stripe_records() + [{"kind": "bw", "what": COPY_WHAT, "threads": n, "gb_per_s": gb}
+                               for n, gb in ((1, 11.0), (8, 25.5), (8, 26.25))]
+    text, _, _ = build_report(recs)
+    assert "1 threads: 11.00 GB/s copied" in text and "8 threads: 26.25 GB/s copied" in text
+    assert "host memory copy bandwidth" in build_report(stripe_records())[0]  # "not measured" without the probe
+
+
 def test_the_calibration_over_several_roots_is_the_calibrate_job_s_own_run(tmp_path):
     from h200bench.interfaces import calibration_over
     from pykv.jobs.calibrate_plan import CalibrationRun

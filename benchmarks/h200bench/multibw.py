@@ -8,6 +8,11 @@ aggregate is the bytes of all devices over the time until the last device finish
 device's own rate is kept beside it. One ``bw`` record per pass, ``what`` =
 ``odirect_read_agg`` (``medium`` = ``stripe{N}`` for N devices).
 
+Before them, the host's memory copy bandwidth (``host_copy``: threads copying their own
+256 MiB buffers at once, ``what`` = ``host_copy``): a loop device in ``/dev/shm`` serves each
+O_DIRECT read as a CPU copy out of tmpfs pages, so that bandwidth is what reads, checksums and
+the GPU copies of a load share on this host.
+
 Then pykv's load path without the GPU copy: the reactor storing and loading real 28 MiB block
 files over all N directories as one device set (``pykv.bench.bench_files``: placement, opens,
 header checks, reads, and with ``verify=full`` the checksums; ``auth``: the MACs of
@@ -27,6 +32,7 @@ from pathlib import Path
 from h200bench.util import emit, log
 
 AGG_WHAT = "odirect_read_agg"
+COPY_WHAT = "host_copy"
 FILES_WHAT = "files_read_agg"
 FILE_BLOCK = 28 << 20  # one 256-token block of the 3B shape
 DEFAULT_CONFIGS = ((4 << 20, 16), (28 << 20, 8))
@@ -93,6 +99,32 @@ def together(paths: list[Path], kind: str, *, engine: str, size: int, block: int
             "per_device_gb_per_s": [round(size / (end - start) / 1e9, 3) for start, end in spans]}
 
 
+def host_copy(threads: int, *, size: int = 256 << 20, reps: int = 4) -> dict:
+    """``threads`` threads each copying its own ``size``-byte buffer ``reps`` times, started
+    together (numpy releases the GIL while it copies); bytes copied per second, all together."""
+    import numpy as np
+
+    pairs = [(np.ones(size, np.uint8), np.empty(size, np.uint8)) for _ in range(threads)]
+    for src, dst in pairs:  # fault every page in before timing
+        np.copyto(dst, src)
+    barrier = threading.Barrier(threads + 1)
+
+    def run(src, dst) -> None:
+        barrier.wait()
+        for _ in range(reps):
+            np.copyto(dst, src)
+    workers = [threading.Thread(target=run, args=pair) for pair in pairs]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - started
+    copied = threads * size * reps
+    return {"threads": threads, "bytes": copied, "seconds": round(wall, 4), "gb_per_s": round(copied / wall / 1e9, 3)}
+
+
 def mbw_main(a: argparse.Namespace) -> int:
     """``h200_connector.py mbw``: write one file per directory, then the read passes of every
     device count in ``--counts`` (the first N directories) and every (request, depth) config."""
@@ -104,6 +136,9 @@ def mbw_main(a: argparse.Namespace) -> int:
     size = a.size - a.size % unit
     paths = [d / f"pykv-h200-mbw-{os.getpid()}.dat" for d in dirs]
     engines = a.engines.split(",")
+    for threads in [int(t) for t in a.copy_threads.split(",") if t]:
+        emit(a.results, {"kind": "bw", "stage": a.stage, "what": COPY_WHAT,
+                         **host_copy(threads, size=a.copy_bytes)})
     try:
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
@@ -181,3 +216,5 @@ def add_mbw_parser(sub) -> None:
     p.add_argument("--files-size", type=int, default=1 << 30,
                    help="reactor block files per device, bytes (0: no reactor pass)")
     p.add_argument("--files-depth", type=int, default=16, help="reactor: requests in flight per device")
+    p.add_argument("--copy-threads", default="1,4,8,16", help="host memory copy probe: thread counts ('' for none)")
+    p.add_argument("--copy-bytes", type=int, default=256 << 20, help="host memory copy probe: bytes per thread")

@@ -99,10 +99,12 @@ def aggregate_bandwidth(runner, mnts: list[str]) -> None:
             "--dirs", ",".join(dirs), "--counts", f"1,{len(dirs)}" if len(dirs) > 1 else "1",
             "--size", str(int(runner.a.mbw_gib * GIB)), "--repeat", str(runner.a.mbw_repeat)]
     if runner.smoke:
-        argv += ["--size", str(64 << 20), "--repeat", "1", "--files-size", str(56 << 20)]
+        argv += ["--size", str(64 << 20), "--repeat", "1", "--files-size", str(56 << 20),
+                 "--copy-threads", "1,2", "--copy-bytes", str(32 << 20)]
     if runner.dry:
-        print(f"  mbw: {len(dirs)} devices, {runner.a.mbw_gib:g} GiB each, 4 MiB x 16 and 28 MiB x 8 per device; "
-              "then the reactor over 1 GiB of block files per device (verify header and full)")
+        print(f"  mbw: host memory copy with 1/4/8/16 threads; {len(dirs)} devices, {runner.a.mbw_gib:g} GiB each, "
+              "4 MiB x 16 and 28 MiB x 8 per device; then the reactor over 1 GiB of block files per device "
+              "(verify header and full)")
     else:
         runner.spawn("mbw", argv, 240)
     interfaces.pykv_bench(runner, dirs, medium=medium(len(dirs)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from h200bench.multibw import AGG_WHAT, FILES_WHAT
+from h200bench.multibw import AGG_WHAT, COPY_WHAT, FILES_WHAT
 from h200bench.settings import STRIPE_TARGETS
 from h200bench.stats import load_gb_per_s
 
@@ -69,6 +69,15 @@ def reactor_lines(records: list[dict], reference: dict[int, float | None]) -> li
     return lines or ["not measured"]
 
 
+def copy_lines(records: list[dict]) -> list[str]:
+    """The best host copy rate per thread count (``multibw.host_copy``)."""
+    best: dict[int, float] = {}
+    for r in records:
+        if r.get("what") == COPY_WHAT and r.get("gb_per_s"):
+            best[r["threads"]] = max(best.get(r["threads"], 0.0), r["gb_per_s"])
+    return [f"{n} threads: {rate:.2f} GB/s copied" for n, rate in sorted(best.items())] or ["not measured"]
+
+
 def build(records: list[dict]) -> Section | None:
     from h200bench.report import fmt, latest_run, median  # the report's helpers (it imports this module)
 
@@ -89,6 +98,8 @@ def build(records: list[dict]) -> Section | None:
     s.table("O_DIRECT reads of N devices at once, GB/s (best pass)",
             ["devices"] + [f"{b >> 20} MiB x {d}/device" for b, d in configs] + ["reference"],
             [[str(n)] + [fmt(odirect[n].get(c), ".2f") for c in configs] + [fmt(reference[n], ".2f")] for n in counts])
+    s.lines("host memory copy bandwidth (what loop-device reads, checksums and GPU copies share here):",
+            copy_lines(records))
     s.lines("pykv's load path without the GPU copy (reactor over block files, all devices at once):",
             reactor_lines(records, reference))
     for r in records:
