@@ -71,7 +71,12 @@ def _interval(value: Any, key: str) -> float:
     return seconds
 
 
-def _positive_int(maximum: int, minimum: int = 1) -> Callable[[Any, str], int]:
+def _positive_int(maximum: int) -> Callable[[Any, str], int]:
+    """A parser of integers in 1..``maximum``."""
+    return _int_range(1, maximum)
+
+
+def _int_range(minimum: int, maximum: int) -> Callable[[Any, str], int]:
     """A parser of integers in ``minimum``..``maximum`` (a bound so no key can ask for unbounded resources)."""
     def parse(value: Any, key: str) -> int:
         text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
@@ -207,7 +212,7 @@ class PykvConfig:
                                      "the first key signs, all verify; mode 0600): every block stored is signed, "
                                      "every load needs a valid MAC (else a miss, quarantined). See "
                                      "docs/format.md.", "path")
-    mac_threads: int = _key(_positive_int(64, minimum=0), 0, "Threads that hash one block's MAC (auth_key_file); "
+    mac_threads: int = _key(_int_range(0, 64), 0, "Threads that hash one block's MAC (auth_key_file); "
                             "0: BLAKE3's pool over all cores.", "int")
     breakeven_file: str | None = _key(_optional_path, None, "Calibration file of `pykv calibrate`: loads shorter "
                                       "than their tier's break-even length are refused (recomputed).", "path")

@@ -12,8 +12,9 @@ Two kinds of counters:
 
 A counter file is ``$PYKV_STATS_FILE.<role>.json`` (roles ``scheduler``, ``worker0``,
 ``worker1``, ...), one JSON object of name to integer, replaced atomically (by a writer
-thread, off the engine's step) whenever the process's counters change. ``read_counters`` reads them back bounded and tolerant: a
-file that is missing, half written, oversized or not an object of integers is skipped.
+thread, off the engine's step) whenever the process's counters change. ``read_counters``
+reads them back bounded and tolerant: a file that is missing, half written, oversized or
+not an object of integers is skipped.
 """
 
 from __future__ import annotations
