@@ -53,6 +53,8 @@ class LoopDevices:
         if self.dry:
             print(f"  loop: {size / GIB:.0f} GiB image {img} -> ext4 on {mnt}")
             return mnt
+        if size < 64 << 20:  # run 12: P40 gave the native tier's image the bytes its tree reset removed (0)
+            raise ValueError(f"loop {name}: an image of {size} bytes asked for (at least 64 MiB)")
         run_cmd(["truncate", "-s", str(size), img])
         dev = run_cmd(["losetup", "-f", "--show", img]).stdout.strip()
         state = {"name": name, "img": img, "dev": dev, "mnt": mnt}

@@ -67,6 +67,7 @@ def burst_main(config_path: str) -> int:
     record = {"kind": "burst", "stage": cfg["stage"], "label": cfg["label"], "system": cfg["system"],
               "variant": cfg["variant"], "length": cfg["length"], "requests": cfg["requests"],
               "concurrency": cfg["concurrency"], "docs": cfg["docs"], "start_s": round(start_s, 1),
+              "kv_bytes_per_token": cfg.get("kv_bytes_per_token"),
               "wall_s": round(wall, 2), "ttft": summarize(rows), "rows": rows,
               "worker_delta": counter_delta(wb, wa), "scheduler_delta": counter_delta(sb, sa)}
     emit(cfg["results"], record)

@@ -38,7 +38,8 @@ class PreloadRunner(Runner):
         cfg = {"stage": self.stage, "label": label, "system": system, "variant": variant,
                "results": str(self.results), "engine_kwargs": self.engine_kwargs(), "ktc": ktc, "length": length,
                "requests": self.requests, "concurrency": self.concurrency, "docs": self.burst_docs,
-               "vocab": info["vocab"], "stats": str(self.work / "stats" / label) if stats else None}
+               "vocab": info["vocab"], "kv_bytes_per_token": info["kv_bytes_per_token"],
+               "stats": str(self.work / "stats" / label) if stats else None}
         if self.dry:
             extra = (ktc or {}).get("kv_connector_extra_config", {})
             tiers = {k: extra[k] for k in ("dram_bytes", "cpu_bytes_to_use", "preload", "preload_max_bytes")
@@ -66,6 +67,8 @@ class PreloadRunner(Runner):
         tag = f"{length // 1024}k"
         try:
             root = os.path.join(mnt, "pykv-tree")
+            # the floor's measurements (preload_floor), on the empty device: its O_DIRECT rate, and H2D
+            self.bw("loop", os.path.join(mnt, "bw"), h2d=not self.smoke, files=False)
             fill = self.engine(f"preload-{tag}-pykv-fill", system="pykv", medium="loop", variant="fill",
                                steps=[{"op": "fill"}, {"op": "settle", "timeout": 300}],
                                ktc=self.pykv_ktc(root, dram_bytes=0, verify="header"), stats=True,
@@ -77,9 +80,9 @@ class PreloadRunner(Runner):
                         # each query engine starts from the tree the fill left: the misses the first
                         # one stored would otherwise fill the disk before the second runs (run 6b:
                         # preload on stored 5 GB of them, preload off found the disk full)
-                        files, size = remove_new_files(root, filled)
+                        files, removed = remove_new_files(root, filled)
                         self.record({"kind": "tree_reset", "stage": self.stage, "variant": variant,
-                                     "removed_files": files, "removed_bytes": size})
+                                     "removed_files": files, "removed_bytes": removed})
                         self.record({"kind": "drop_caches", "stage": self.stage, "ok": drop_caches()})
                     # the same DRAM as the native tier's CPU tier in front of its fs tier (run 4 gave pykv
                     # none and it re-read every reused document from disk: docs/benchmarks.md)

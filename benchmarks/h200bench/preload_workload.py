@@ -16,16 +16,20 @@ STAGE_LENGTHS = {"P40": 40960, "P80": 81920}
 SUFFIX_TOKENS = 32
 
 
+def burst_docs(requests: int, docs: int) -> list[int | None]:
+    """Each request's stored document in the burst, in order; None for a fresh prompt."""
+    return [(i // 2) % docs if i % 2 == 0 else None for i in range(requests)]
+
+
 def workload(length: int, requests: int, docs: int, vocab: int, salt: str) -> list[dict]:
     """The burst: even requests reuse a stored document (plus their own suffix), odd ones are fresh.
     ``salt`` (the engine's label) makes the fresh ones new for every engine: an earlier engine on
     the same tree stored the fresh prompts it computed."""
     fresh = zlib.crc32(salt.encode()) % 1_000_000 * 1000
     out = []
-    for i in range(requests):
+    for i, doc in enumerate(burst_docs(requests, docs)):
         rng = random.Random(10_000 + i)
-        if i % 2 == 0:
-            doc = (i // 2) % docs
+        if doc is not None:
             tokens = doc_tokens(length, doc, vocab) + [rng.randrange(vocab) for _ in range(SUFFIX_TOKENS)]
             out.append({"id": f"r{i}", "hit": True, "doc": doc, "tokens": tokens})
         else:

@@ -228,10 +228,11 @@ class Runner:
             return 0
         return self.spawn_config(label, "engine", cfg, timeout)
 
-    def bw(self, medium: str | None, directory: str | None, h2d: bool, sweep: bool = False) -> int:
-        """A bandwidth probe process (``probes.bw_main``)."""
+    def bw(self, medium: str | None, directory: str | None, h2d: bool, sweep: bool = False,
+           files: bool = True) -> int:
+        """A bandwidth probe process (``probes.bw_main``); ``files``: also pykv's reactor over block files."""
         if self.dry:
-            print(f"  bw: medium={medium} dir={directory} h2d={h2d} sweep={sweep}")
+            print(f"  bw: medium={medium} dir={directory} h2d={h2d} sweep={sweep} files={files}")
             return 0
         size = self.a.bw_size if not self.smoke else 256 << 20
         block = 28 << 20 if not self.smoke else 4 << 20
@@ -242,7 +243,7 @@ class Runner:
         if medium:
             argv += ["--medium", medium]
         if directory:
-            argv += ["--dir", directory, "--files"]
+            argv += ["--dir", directory] + (["--files"] if files else [])
         if h2d:
             argv += ["--h2d"]
         return self.spawn(f"bw-{medium or 'h2d'}", argv, 240)
