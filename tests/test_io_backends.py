@@ -85,6 +85,27 @@ def test_round_trip_many_in_flight(kind: str, depth: int, direct_dir: str) -> No
     assert back[:] == data
 
 
+@pytest.mark.parametrize("length", [1 << 20, 3 << 20])
+def test_large_requests_round_trip(kind: str, length: int, direct_dir: str) -> None:
+    # io_uring issues requests of ASYNC_MIN_BYTES and more from io-wq (IOSQE_ASYNC): same bytes back
+    data = os.urandom(2 * length)
+    out, back = aligned_buffer(len(data), populate=True), aligned_buffer(len(data))
+    out[:] = data
+    path = os.path.join(direct_dir, "large.bin")
+    with make_backend(kind, 4) as b:
+        fd = one(b, open_req(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT))
+        writes = [IoRequest(OpKind.WRITE, ("w", i), fd=fd, address=buffer_address(out) + i * length,
+                            length=length, offset=i * length) for i in range(2)]
+        assert all(c.result == length for c in run_batch(b, writes))
+        assert one(b, IoRequest(OpKind.CLOSE, "close", fd=fd)) == 0
+        fd = one(b, open_req(path, os.O_RDONLY | os.O_DIRECT))
+        reads = [IoRequest(OpKind.READ, i, fd=fd, address=buffer_address(back) + i * length, length=length,
+                           offset=i * length) for i in range(2)]
+        assert all(c.result == length for c in run_batch(b, reads))
+        assert one(b, IoRequest(OpKind.CLOSE, "close", fd=fd)) == 0
+    assert back[:] == data
+
+
 def test_many_files_open_concurrently(backend: IoBackend, tmp_path) -> None:
     paths = [str(tmp_path / f"f{i}") for i in range(40)]
     opened = run_batch(backend, [open_req(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, token=p)

@@ -136,3 +136,14 @@ def test_bad_requests_rejected_before_queueing() -> None:
         with pytest.raises(ValueError):
             ring.submit([IoRequest(OpKind.READ, "r", fd=0, address=0, length=4096)])
         assert ring.in_flight == 0
+
+
+def test_large_reads_and_writes_go_to_io_wq_small_ones_and_other_ops_inline() -> None:
+    big, small = uring.ASYNC_MIN_BYTES, uring.ASYNC_MIN_BYTES - 4096
+    flags = lambda op, length: uring._sqe(op, 3, 0, 0, length, 0, 1)[1]  # noqa: E731
+    assert flags(uring._OP_READ, big) == uring._IOSQE_ASYNC == 1 << 4
+    assert flags(uring._OP_WRITE, 28 << 20) == uring._IOSQE_ASYNC
+    assert flags(uring._OP_READ, small) == 0 and flags(uring._OP_WRITE, 4096) == 0
+    assert flags(uring._OP_OPENAT2, big) == 0 and flags(uring._OP_CLOSE, big) == 0
+    read = IoRequest(OpKind.READ, "r", fd=3, address=4096, length=28 << 20, offset=0)
+    assert uring._sqe(*uring._prepare(read)[0], 1)[1] == uring._IOSQE_ASYNC

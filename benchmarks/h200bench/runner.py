@@ -265,6 +265,10 @@ class Runner:
             rec["mem_total_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
         except (OSError, ValueError):
             pass
+        try:  # staging asks for transparent huge pages (pykv.io.memory): honoured unless this is "never"
+            rec["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        except OSError:
+            rec["thp"] = None
         if shutil.which("nvidia-smi"):
             rec["gpu"] = run_cmd(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                                   "--format=csv,noheader"], check=False).stdout.strip()

@@ -49,6 +49,7 @@ _OP_OPENAT2 = 28
 _OP_CLOSE = 19
 _OP_READ = 22
 _OP_WRITE = 23
+_IOSQE_ASYNC = 1 << 4  # sqe flag: issue from an io-wq worker, never inline
 
 _ENTER_GETEVENTS = 1 << 0
 _ENTER_EXT_ARG = 1 << 3
@@ -288,10 +289,20 @@ class UringBackend(IoBackend):
             self._fd = -1
 
 
+ASYNC_MIN_BYTES = 1 << 20
+"""Reads and writes of at least this many bytes go to the kernel's io-wq workers (``IOSQE_ASYNC``)
+instead of being issued inside ``io_uring_enter``. Issued inline, an O_DIRECT request pins its pages
+and takes the device's request tags on the submitting thread, which sleeps when a device runs out of
+tags, reaping no completions for any device meanwhile (docs/benchmarks.md, "The reactor's per-block
+cost")."""
+
+
 def _sqe(opcode: int, fd: int, off: int, addr: int, length: int, op_flags: int,
          user_data: int) -> tuple:
-    """All 14 fields of ``_SQE`` in order; flags, ioprio and the tail stay 0."""
-    return (opcode, 0, 0, fd, off, addr, length, op_flags & _U32, user_data, 0, 0, 0, 0, 0)
+    """All 14 fields of ``_SQE`` in order; ioprio and the tail stay 0, flags ``IOSQE_ASYNC`` for
+    a large read or write (``ASYNC_MIN_BYTES``)."""
+    flags = _IOSQE_ASYNC if opcode in (_OP_READ, _OP_WRITE) and length >= ASYNC_MIN_BYTES else 0
+    return (opcode, flags, 0, fd, off, addr, length, op_flags & _U32, user_data, 0, 0, 0, 0, 0)
 
 
 def _prepare(request: IoRequest) -> tuple[tuple, object]:
