@@ -184,9 +184,10 @@ def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: 
                 auth_key_file: str | None = None) -> Iterator[BlockFiles]:
     """A temp tree in each of ``directories`` (one ``DeviceSet``, blocks placed as an engine's are),
     a reactor over it with ``depth`` in flight per device and populated staging (as an engine's
-    pinned slots), and ``blocks_per_device`` blocks per device of ``block_size`` bytes; the
-    reactor, the staging and the trees are gone afterwards. ``auth_key_file``: stores signed,
-    loads authenticated."""
+    pinned slots), and exactly ``blocks_per_device`` blocks on each device (keys picked so that
+    placement spreads them evenly: the pass measures the reactor against the raw probe's equal
+    bytes per device, not the luck of the hash) of ``block_size`` bytes; the reactor, the staging
+    and the trees are gone afterwards. ``auth_key_file``: stores signed, loads authenticated."""
     payload = block_size - HEADER_SIZE
     geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
     namespace = Namespace("pykv-bench", "uint8", "raw", 256)
@@ -202,7 +203,7 @@ def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: 
                                   verify=verify, read_segment_bytes=read_segment, auth_key_file=auth_key_file)
             reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
             try:
-                keys = [i.to_bytes(8, "big") * 4 for i in range(blocks_per_device * len(roots))]
+                keys = even_keys(reactor.medium, namespace.id, blocks_per_device)
                 stores = [StoreBlock(reactor.medium.locate(namespace.id, k), namespace.fingerprint, k, geometry)
                           for k in keys]
                 yield BlockFiles(reactor, stores, [LoadBlock(b.path, b.namespace, b.key, geometry) for b in stores])
@@ -213,6 +214,20 @@ def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: 
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def even_keys(medium, namespace_id: str, per_device: int) -> list[bytes]:
+    """``per_device`` block keys for each device of ``medium``, as the medium places them."""
+    counts, keys = [0] * medium.lanes, []
+    for i in range(64 * per_device * medium.lanes + 64):
+        key = i.to_bytes(8, "big") * 4
+        lane = medium.lane(medium.locate(namespace_id, key))
+        if counts[lane] < per_device:
+            counts[lane] += 1
+            keys.append(key)
+            if len(keys) == per_device * medium.lanes:
+                return keys
+    raise RuntimeError(f"placement put too few of {64 * per_device * medium.lanes} keys on some device: {counts}")
 
 
 def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, block_size: int, depth: int,

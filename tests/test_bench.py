@@ -68,3 +68,39 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 def test_cli_refuses_a_path_without_o_direct():
     result = run("bench", "--path", "/dev/shm", "--size", "1M", "--block-size", "1M")
     assert result.exit_code == 2 and "does not support O_DIRECT" in result.stderr
+
+
+def test_files_pass_puts_the_same_number_of_blocks_on_every_device(tmp_path):
+    from collections import Counter
+    from pykv.bench import block_files
+    dirs = [tmp_path / f"d{i}" for i in range(4)]
+    for d in dirs:
+        d.mkdir()
+    with block_files("threadpool", dirs, blocks_per_device=5, block_size=MIB, depth=2) as files:
+        lanes = Counter(files.reactor.medium.lane(b.path) for b in files.stores)
+        assert lanes == {0: 5, 1: 5, 2: 5, 3: 5}
+        assert len({b.key for b in files.stores}) == 20
+
+
+class SkewedMedium:
+    """Two devices; the second gets one key in ``every`` (or none)."""
+
+    lanes = 2
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+
+    def locate(self, namespace_id: str, key: bytes) -> int:
+        return int.from_bytes(key[:8], "big")
+
+    def lane(self, location: int) -> int:
+        return 1 if self.every and location % self.every == 0 else 0
+
+
+def test_even_keys_balance_a_skewed_placement_and_give_up_when_a_device_gets_none():
+    from pykv.bench import even_keys
+    keys = even_keys(SkewedMedium(7), "ns", 3)
+    medium = SkewedMedium(7)
+    assert sorted(medium.lane(medium.locate("ns", k)) for k in keys) == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(RuntimeError, match="too few"):
+        even_keys(SkewedMedium(None), "ns", 3)

@@ -36,6 +36,19 @@ def off_placement(devices, i):
     return add_block(devices[wrong], key(i)), wrong
 
 
+def spread_ids(devices, per_device):
+    """Key numbers in increasing order with ``per_device`` of them on each device."""
+    ids, counts = [], [0] * len(devices)
+    for i in range(10_000):
+        if counts[devices.index_of(key(i))] < per_device:
+            counts[devices.index_of(key(i))] += 1
+            ids.append(i)
+        if len(ids) == per_device * len(devices):
+            break
+    assert counts == [per_device] * len(devices)
+    return ids
+
+
 def blocks(tree):
     return {e.path for e in Scan.of(tree).of_kind(Kind.BLOCK)}
 
@@ -53,16 +66,16 @@ def test_block_key_is_read_from_the_name(tmp_path):
 # -- gc: one limit over the set, one LRU order ----------------------------------------------------
 def test_gc_limits_the_total_in_one_lru_order_across_devices(tmp_path):
     devices = make_set(tmp_path)
-    paths = [add_block(devices.tree_of(key(i)), key(i), accessed_ago=(20 - i) * HOUR, published_ago=21 * HOUR)
-             for i in range(12)]
-    assert len({devices.index_of(key(i)) for i in range(12)}) == 3  # the blocks are spread over all devices
+    ids = spread_ids(devices, 4)  # 4 blocks on each device (the set's seeds are random per tree)
+    paths = [add_block(devices.tree_of(key(i)), key(i), accessed_ago=(20 - n) * HOUR, published_ago=21 * HOUR)
+             for n, i in enumerate(ids)]
     result = run_gc_devices(devices, 5 * BLOCK_SIZE)
     assert result.target_reached and result.freed_files == 7
     assert [e.path for e in result.deleted] == [str(p) for p in paths[:7]]  # oldest access first, any device
     assert set().union(*(blocks(t) for t in devices)) == {str(p) for p in paths[7:]}
     by_device = {d["root"]: d for d in result.devices}
     for index, tree in enumerate(devices):
-        freed = [p for p in paths[:7] if devices.index_of(key(paths.index(p))) == index]
+        freed = [p for p in paths[:7] if devices.index_of(key(ids[paths.index(p)])) == index]
         assert by_device[str(tree.root)]["freed_files"] == len(freed)
         assert by_device[str(tree.root)]["freed_bytes"] == len(freed) * BLOCK_SIZE
         assert last_gc(tree)["remaining_bytes"] == 5 * BLOCK_SIZE  # every device records the set's gc
