@@ -52,7 +52,7 @@ def simulate(hits: list[int | None], concurrency: int, prefill_s: float, first_r
             medium_free = max(now, medium_free) + cost
             done = medium_free
             if in_order:
-                gpu_free = done = max(done, gpu_free)
+                done = max(done, gpu_free)
         total += done - now
         heapq.heappush(in_flight, done)
     return (total / len(hits) if hits else 0.0), max(gpu_free, medium_free)
