@@ -133,3 +133,10 @@ def test_the_in_order_floor_is_never_below_the_free_order_floor():
         assert ordered >= free - 1e-9
     floor = burst_floor(burst(), lease())
     assert floor.in_order_mean_s >= floor.mean_s
+
+
+def test_in_order_a_hit_reading_its_document_does_not_hold_up_the_misses_behind_it():
+    # vLLM sets a loading hit aside and schedules the next request: the miss runs during the read
+    mean, wall = simulate([0, None], concurrency=2, prefill_s=1.0, first_read_s=5.0, dram_read_s=0.0, in_order=True)
+    assert mean == pytest.approx((5.0 + 1.0) / 2)
+    assert wall == pytest.approx(5.0)
