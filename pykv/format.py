@@ -55,6 +55,7 @@ _CHECKED_BYTES = _BODY.size  # 152
 assert _CHECKED_BYTES == 152
 _RESERVED = slice(34, 40)  # the 6 reserved bytes after the key length
 _TRAILER = _CHECKED_BYTES + _CHECKSUM.size  # 160: end of the v1 header's fields
+_ZERO_HEADER = bytes(HEADER_SIZE)  # compared as a whole: ``any`` over 3.9 KiB took ~20 µs a block
 KEY_ID_BYTES = 16
 MAC_BYTES = 32
 KEY_ID_FIELD = slice(_TRAILER, _TRAILER + KEY_ID_BYTES)  # 160..175
@@ -189,7 +190,7 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
         mac = head[MAC_FIELD]
         if not valid_key_id(key_id):  # a zero inside the id is not one of its characters
             raise FormatError(path, "bad key id in a signed header")
-    if any(head[_RESERVED]) or any(bytes(data[zero_from:HEADER_SIZE])):
+    if any(head[_RESERVED]) or bytes(data[zero_from:HEADER_SIZE]) != _ZERO_HEADER[zero_from:]:
         raise FormatError(path, "reserved header bytes are not zero")
     return BlockHeader(namespace=namespace, key=key[:key_length],
                        geometry=Geometry(tokens, segments, segment_bytes),

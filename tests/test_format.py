@@ -281,3 +281,13 @@ def test_an_unsigned_header_with_bytes_where_a_signed_one_has_its_mac_is_refused
     signed[208] = 1
     with pytest.raises(FormatError, match="reserved header bytes"):
         decode_header(bytes(signed))
+
+
+@pytest.mark.parametrize("position", [160, 2048, 4095])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_any_nonzero_byte_after_the_fields_is_refused(position, as_view):
+    data = bytearray(encoded())
+    assert decode_header(memoryview(data) if as_view else bytes(data)).key == make_header().key
+    data[position] = 0x80
+    with pytest.raises(FormatError, match="reserved header bytes"):
+        decode_header(memoryview(data) if as_view else bytes(data))
