@@ -17,6 +17,7 @@ import heapq
 import statistics
 from dataclasses import dataclass
 
+from h200bench.multibw import AGG_WHAT
 from h200bench.preload_workload import burst_docs
 
 
@@ -58,17 +59,22 @@ def simulate(hits: list[int | None], concurrency: int, prefill_s: float, first_r
     return (total / len(hits) if hits else 0.0), max(gpu_free, medium_free)
 
 
+def best_rate(records: list[dict], what: str, **match) -> float | None:
+    """The highest ``gb_per_s`` of the ``bw`` records of ``what`` whose fields equal ``match``."""
+    rates = [r["gb_per_s"] for r in records if r.get("kind") == "bw" and r.get("what") == what and r.get("gb_per_s")
+             and all(r.get(k) == v for k, v in match.items())]
+    return max(rates) if rates else None
+
+
 def medium_rate(records: list[dict], stage: str) -> tuple[float, str] | None:
     """The O_DIRECT read rate of one loop device: the stage's own probe, else the lease's best
     one-device pass of stage S1 (the same kind of device)."""
-    own = [r["gb_per_s"] for r in records if r.get("kind") == "bw" and r.get("stage") == stage
-           and r.get("what") == "odirect_read" and r.get("gb_per_s")]
+    own = best_rate(records, "odirect_read", stage=stage)
     if own:
-        return max(own), f"{stage}'s own O_DIRECT probe"
-    one = [r["gb_per_s"] for r in records if r.get("kind") == "bw" and r.get("what") == "odirect_read_agg"
-           and r.get("devices") == 1 and r.get("gb_per_s")]
+        return own, f"{stage}'s own O_DIRECT probe"
+    one = best_rate(records, AGG_WHAT, devices=1)
     if one:
-        return max(one), "S1's one-device O_DIRECT probe in the same lease"
+        return one, "S1's one-device O_DIRECT probe in the same lease"
     return None
 
 
@@ -90,9 +96,8 @@ def burst_floor(burst: dict, records: list[dict]) -> Floor | None:
     kv = burst.get("kv_bytes_per_token") or lease_kv_bytes_per_token(records)
     if not fills or rate is None or not kv:
         return None
-    h2d = [r["gb_per_s"] for r in records if r.get("kind") == "bw" and r.get("what") == "h2d" and r.get("gb_per_s")]
     doc_bytes = burst["length"] * kv
-    h2d_rate = max(h2d) if h2d else None
+    h2d_rate = best_rate(records, "h2d")
     hits = burst_docs(burst["requests"], burst["docs"])
     prefill = statistics.median(fills)
     costs = (burst["concurrency"], prefill, doc_bytes / (rate[0] * 1e9),
