@@ -2,7 +2,7 @@
 # benchmarks/h200_run.sh STAGE [options of `h200_connector.py stage`]
 #
 # Runs one stage of the pykv H200 benchmark on the GPU host, from the repository
-# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1-S4, T1, T2, T, P40, P80, R, I, a comma
+# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1-S5, T1, T2, T, P40, P80, R, I, a comma
 # list (C,D), all (A-M), report, or setup (install and import check only). See
 # benchmarks/README.md for the device commands.
 #
@@ -23,7 +23,7 @@
 # `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
-STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|S4|T1|T2|T|P40|P80|R|I|C,D|all|report|setup) [stage options]}
+STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|S4|S5|T1|T2|T|P40|P80|R|I|C,D|all|report|setup) [stage options]}
 shift
 REPO=$(pwd)
 WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}

@@ -181,13 +181,14 @@ class BlockFiles:
 @contextlib.contextmanager
 def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: int, block_size: int, depth: int,
                 verify: str = "header", read_segment: int = 0,
-                auth_key_file: str | None = None) -> Iterator[BlockFiles]:
+                auth_key_file: str | None = None, verify_threads: int | None = None) -> Iterator[BlockFiles]:
     """A temp tree in each of ``directories`` (one ``DeviceSet``, blocks placed as an engine's are),
     a reactor over it with ``depth`` in flight per device and populated staging (as an engine's
     pinned slots), and exactly ``blocks_per_device`` blocks on each device (keys picked so that
     placement spreads them evenly: the pass measures the reactor against the raw probe's equal
     bytes per device, not the luck of the hash) of ``block_size`` bytes; the reactor, the staging
-    and the trees are gone afterwards. ``auth_key_file``: stores signed, loads authenticated."""
+    and the trees are gone afterwards. ``auth_key_file``: stores signed, loads authenticated;
+    ``verify_threads``: the hashing threads (None: the configuration's default)."""
     payload = block_size - HEADER_SIZE
     geometry = Geometry(tokens=256, segments=1, segment_bytes=payload)
     namespace = Namespace("pykv-bench", "uint8", "raw", 256)
@@ -200,7 +201,8 @@ def block_files(engine: str, directories: Sequence[Path], *, blocks_per_device: 
         try:
             source = _ZeroSource()
             settings = PykvConfig(**root_keys(roots), io_engine=engine, io_depth=depth, open_ahead=2 * depth,
-                                  verify=verify, read_segment_bytes=read_segment, auth_key_file=auth_key_file)
+                                  verify=verify, read_segment_bytes=read_segment, auth_key_file=auth_key_file,
+                                  **({} if verify_threads is None else {"verify_threads": verify_threads}))
             reactor = source.reactor = build_reactor(settings, pool, devices, client=source)
             try:
                 keys = even_keys(reactor.medium, namespace.id, blocks_per_device)
@@ -232,12 +234,13 @@ def even_keys(medium, namespace_id: str, per_device: int) -> list[bytes]:
 
 def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, block_size: int, depth: int,
                 verify: str = "header", read_segment: int = 0, device: str | None = None,
-                auth_key_file: str | None = None) -> list[BenchResult]:
+                auth_key_file: str | None = None, verify_threads: int | None = None) -> list[BenchResult]:
     """Store then load ``size // block_size`` block files per device through the reactor
     (``block_files``). Several directories: ``size`` and ``depth`` in flight per device."""
     directories = [directory] if isinstance(directory, Path) else list(directory)
     with block_files(engine, directories, blocks_per_device=size // block_size, block_size=block_size, depth=depth,
-                     verify=verify, read_segment=read_segment, auth_key_file=auth_key_file) as files:
+                     verify=verify, read_segment=read_segment, auth_key_file=auth_key_file,
+                     verify_threads=verify_threads) as files:
         reactor, medium = files.reactor, files.reactor.medium
         name = f"pykv reactor files ({reactor.backend.name}"
         name += "" if medium.opens_direct else ", buffered: no O_DIRECT here"

@@ -136,6 +136,11 @@ def mbw_main(a: argparse.Namespace) -> int:
     size = a.size - a.size % unit
     paths = [d / f"pykv-h200-mbw-{os.getpid()}.dat" for d in dirs]
     engines = a.engines.split(",")
+    if a.files_only:
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        reactor_files(a, dirs, engines)
+        return 0
     for threads in [int(t) for t in a.copy_threads.split(",") if t]:
         emit(a.results, {"kind": "bw", "stage": a.stage, "what": COPY_WHAT,
                          **host_copy(threads, size=a.copy_bytes)})
@@ -170,7 +175,8 @@ def mbw_main(a: argparse.Namespace) -> int:
 
 def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -> None:
     """The reactor over block files in every directory at once, per engine and verify mode
-    (``auth``: signed stores, authenticated loads with a throwaway key)."""
+    (``auth``: signed stores, authenticated loads with a throwaway key); the hashing modes once per
+    ``--verify-threads`` count (none given: the configuration's default)."""
     import secrets
     import tempfile
 
@@ -179,21 +185,26 @@ def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -
     size = max(FILE_BLOCK, a.files_size - a.files_size % FILE_BLOCK)
     with tempfile.TemporaryDirectory(prefix="pykv-mbw-key-") as key_dir:
         key_file = os.path.join(key_dir, "auth.keys")
-        modes = ["header", "full"]
-        try:
-            from pykv.auth import write_key_file
-            write_key_file(key_file, {"bench": secrets.token_bytes(32)})
-            modes.append("auth")
-        except ImportError as exc:  # blake3 missing on this host
-            log(f"reactor files: no authenticated pass ({exc})")
+        modes = [m for m in a.files_modes.split(",") if m in ("header", "full")]
+        if "auth" in a.files_modes.split(","):
+            try:
+                from pykv.auth import write_key_file
+                write_key_file(key_file, {"bench": secrets.token_bytes(32)})
+                modes.append("auth")
+            except ImportError as exc:  # blake3 missing on this host
+                log(f"reactor files: no authenticated pass ({exc})")
+        thread_counts = [int(t) for t in (a.verify_threads or "").split(",") if t] or [None]
+        passes = [(mode, threads) for mode in modes
+                  for threads in ([None] if mode == "header" else thread_counts)]
         for engine in engines:
-            for mode in modes:
+            for mode, threads in passes:
                 tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
-                        "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth}
+                        "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth,
+                        **({} if threads is None else {"verify_threads": threads})}
                 try:
                     runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=a.files_depth,
                                        verify="full" if mode == "auth" else mode,
-                                       auth_key_file=key_file if mode == "auth" else None)
+                                       auth_key_file=key_file if mode == "auth" else None, verify_threads=threads)
                 except Exception as exc:  # noqa: BLE001 - io_uring may be refused
                     log(f"reactor files {len(dirs)} devices {engine} {mode}: {exc!r}")
                     emit(a.results, {**tags, "what": FILES_WHAT, "error": repr(exc)})
@@ -216,5 +227,9 @@ def add_mbw_parser(sub) -> None:
     p.add_argument("--files-size", type=int, default=1 << 30,
                    help="reactor block files per device, bytes (0: no reactor pass)")
     p.add_argument("--files-depth", type=int, default=16, help="reactor: requests in flight per device")
+    p.add_argument("--files-modes", default="header,full,auth", help="reactor: verify modes (header, full, auth)")
+    p.add_argument("--files-only", action="store_true", help="only the reactor pass (no copy probe, no raw reads)")
+    p.add_argument("--verify-threads", default="", help="reactor: hashing thread counts, comma-separated "
+                   "(default: the configuration's)")
     p.add_argument("--copy-threads", default="1,4,8,16", help="host memory copy probe: thread counts ('' for none)")
     p.add_argument("--copy-bytes", type=int, default=256 << 20, help="host memory copy probe: bytes per thread")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from h200bench import auth_stage, calibrate_stage, striping, tp_stage
+from h200bench import auth_stage, calibrate_stage, striping, tp_stage, verify_stage
 from h200bench.loop import image_bytes
 from h200bench.runner import Runner
 from h200bench.settings import CHUNK, GIB, WARMUP_TOKENS
@@ -174,6 +174,9 @@ class StageRunner(Runner):
 
     def stage_S4(self) -> None:
         auth_stage.stage_s4(self)
+
+    def stage_S5(self) -> None:
+        verify_stage.stage_s5(self)
 
     def stage_T(self) -> None:
         tp_stage.stage_t(self)

@@ -20,6 +20,7 @@ removed (and trimmed) when a part is done, so the tmpfs gives the memory back be
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
@@ -112,10 +113,12 @@ def aggregate_bandwidth(runner, mnts: list[str]) -> None:
 
 
 def pykv_disk_hits(runner, mnts: list[str], again: str = "", *, variant: str = "defaults",
-                   extra: dict | None = None) -> None:
+                   extra: dict | None = None, queries: list[tuple[str, dict]] | None = None) -> None:
     """pykv with ``pykv config``'s defaults over ``mnts``: fill, page cache dropped, fresh query engine
     (labels ending in ``again`` when the same measurement is repeated: the report pools both).
-    ``extra``: keys added to the defaults, under another ``variant``."""
+    ``extra``: keys added to the defaults, under another ``variant``. ``queries``: (variant, keys)
+    of several query engines after the one fill, each with its keys added (load-side keys only:
+    ``verify``, ``verify_threads``), the page cache dropped before each."""
     name = medium(len(mnts))
     roots = [os.path.join(m, f"pykv-{name}") for m in mnts]
     if not runner.dry:
@@ -137,9 +140,15 @@ def pykv_disk_hits(runner, mnts: list[str], again: str = "", *, variant: str = "
                        "files_per_device": files,
                        "bytes_expected": tree_bytes(runner.lengths, runner.loop_docs,
                                                     runner.info()["kv_bytes_per_token"])})
-        runner.record({"kind": "drop_caches", "stage": runner.stage, "ok": drop_caches()})
     phases = ["query"] * max(1, runner.a.stripe_queries)
-    runner.engine(f"pykv-{label}-query{again}", steps=[{"op": "query", "phases": phases}], **tags)
+    for query_variant, keys in queries or [(variant, {})]:
+        if not runner.dry:
+            runner.record({"kind": "drop_caches", "stage": runner.stage, "ok": drop_caches()})
+        query_ktc = copy.deepcopy(ktc)
+        query_ktc["kv_connector_extra_config"].update(keys)
+        query_label = label if query_variant == variant else f"{name}-{query_variant}"
+        runner.engine(f"pykv-{query_label}-query{again}", steps=[{"op": "query", "phases": phases}],
+                      **{**tags, "variant": query_variant, "ktc": query_ktc})
     if not runner.dry and not runner.a.keep_trees:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)

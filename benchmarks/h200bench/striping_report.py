@@ -60,7 +60,8 @@ def reactor_lines(records: list[dict], reference: dict[int, float | None]) -> li
     best: dict[tuple[int, str, str], float] = {}
     for r in records:
         if r.get("what") == FILES_WHAT and r.get("gb_per_s"):
-            key = (r["devices"], r["engine"], r.get("verify", "header"))
+            threads = f", {r['verify_threads']} hashing threads" if r.get("verify_threads") else ""
+            key = (r["devices"], r["engine"], r.get("verify", "header") + threads)
             best[key] = max(best.get(key, 0.0), r["gb_per_s"])
     lines = []
     for (n, engine, verify), rate in sorted(best.items()):

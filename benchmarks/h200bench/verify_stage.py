@@ -1,0 +1,73 @@
+"""Stage S5 (issue 17): what ``verify=full`` costs a load over the device set, per hashing thread
+count. The reactor alone over block files on all devices (``multibw --files-only``: ``verify=header``
+once, ``verify=full`` per ``VERIFY_THREADS``), then one fill engine with ``pykv config``'s defaults
+and a fresh query engine per variant of ``QUERIES`` (page cache dropped before each): the same
+tree loaded with each hashing setting, so the variants differ in the load path alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from h200bench import striping
+from h200bench.runner import ENTRY
+from h200bench.striping_report import Section
+
+VERIFY_THREADS = (4, 8, 12, 16)
+QUERIES = [("defaults", {}), ("vt8", {"verify_threads": 8}), ("vt16", {"verify_threads": 16}),
+           ("header", {"verify": "header"})]
+"""(variant, keys added to the defaults) of the query engines after S5's one fill."""
+
+
+def stage_s5(runner) -> None:
+    mnts = striping.devices(runner)
+    try:
+        striping.clear(runner, mnts)
+        reactor_pass(runner, mnts)
+        striping.clear(runner, mnts)
+        striping.pykv_disk_hits(runner, mnts, queries=QUERIES)
+    finally:
+        striping.finish(runner, mnts)
+
+
+def reactor_pass(runner, mnts: list[str]) -> None:
+    dirs = [os.path.join(m, "bw") for m in mnts]
+    size = (56 << 20) if runner.smoke else (1 << 30)
+    argv = [sys.executable, str(ENTRY), "mbw", "--results", str(runner.results), "--stage", runner.stage,
+            "--dirs", ",".join(dirs), "--files-only", "--engines", "io_uring", "--files-modes", "header,full",
+            "--verify-threads", ",".join(str(t) for t in VERIFY_THREADS), "--files-size", str(size)]
+    if runner.dry:
+        print(f"  reactor over block files on {len(dirs)} devices: verify=header, verify=full with "
+              f"{'/'.join(str(t) for t in VERIFY_THREADS)} hashing threads")
+        return
+    runner.spawn("mbw-verify", argv, 180)
+
+
+def build(records: list[dict]) -> Section | None:
+    """The report's section: S5's disk hits per query variant (None when S5 has not run)."""
+    from h200bench.auth_stage import fmt_rates, load_rates
+    from h200bench.report import median
+    from h200bench.striping_report import reactor_lines
+
+    ttft = [r for r in records if r.get("kind") == "ttft" and r.get("phase") == "query"
+            and r.get("system") == "pykv" and r.get("stage") == "S5"]
+    if not ttft:
+        return None
+    s = Section()
+    title = "Issue 17: verify=full's cost per hashing thread count, the device set (stage S5)"
+    s.text.append(f"== {title} ==")
+    s.md.append(f"### {title}\n")
+    s5 = [r for r in records if r.get("stage") == "S5"]
+    s.lines("the reactor over block files (no GPU):", reactor_lines(s5, {}))
+    lines = []
+    for length in sorted({r["length"] for r in ttft}):
+        parts = []
+        for variant, _ in QUERIES:
+            hit = median([r["ttft"] for r in ttft if r["length"] == length and r.get("variant") == variant])
+            rates = load_rates(ttft, length, variant)
+            if hit is not None:
+                parts.append(f"{variant} {hit:.3f} s" + (f" (load {fmt_rates(rates)} GB/s)" if rates else ""))
+        lines.append(f"L={length:,}: " + ", ".join(parts))
+    s.lines("disk-hit TTFT per query variant (medians):", lines)
+    s.summary = {"lines": lines}
+    return s
