@@ -7,6 +7,8 @@ scheduler, the model runner and pykv's threads' effect on them):
 - ``gated``: pykv, prompts stored first, then served through a gate that refuses every
   load (the calibration's gated engine at lengths below break-even);
 - ``gated-uring``: the same with the io_uring backend instead of the thread pool (fewer threads);
+- ``gated-8``: the io_uring engine over 8 roots (subdirectories of ``--tree``) with
+  ``pykv config``'s staging, depth and verify defaults (the calibration's 8-device gated engine);
 - ``gated-nhd``: the thread-pool engine with vLLM's default KV cache layout instead of the ``HND``
   layout ``OffloadingConnector`` asks for (a diagnostic patch, not a pykv setting).
 
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("none", "gated", "gated-uring", "gated-nhd")
+CONFIGS = ("none", "gated", "gated-uring", "gated-8", "gated-nhd")
 
 
 def prompt(tokens: int, seed: int) -> list[int]:
@@ -45,7 +47,8 @@ def engine(config: str, args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     kwargs = dict(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                   enable_prefix_caching=False, seed=0, max_model_len=max(lengths) + 512,
-                  gpu_memory_utilization=0.5, max_num_batched_tokens=8192)
+                  gpu_memory_utilization=float(os.environ.get("PYKV_OVERHEAD_GPU_UTIL", "0.5")),
+                  max_num_batched_tokens=8192)
     if config != "none":
         from pykv.calibration import Calibration, TierCalibration
         from pykv.config import PykvConfig
@@ -57,9 +60,14 @@ def engine(config: str, args: argparse.Namespace) -> None:
                           tiers={"disk": TierCalibration(10**9), "dram": TierCalibration(10**9)})
         root = os.path.join(args.tree, config)
         engine_name = "io_uring" if config == "gated-uring" else "threadpool"
-        extra = {"root": root, "staging_bytes": "2G", "io_engine": engine_name, "io_depth": 32,
-                 "breakeven_file": str(cal.save(os.path.join(args.tree, f"{config}.cal.json"))),
-                 "breakeven_override": True}
+        extra = {"root": root, "staging_bytes": "2G", "io_engine": engine_name, "io_depth": 32}
+        if config == "gated-8":
+            roots = [os.path.join(root, f"dev{i}") for i in range(8)]
+            for r in roots:
+                os.makedirs(r, exist_ok=True)
+            extra = {"roots": roots, "io_engine": "io_uring"}
+        extra.update(breakeven_file=str(cal.save(os.path.join(args.tree, f"{config}.cal.json"))),
+                     breakeven_override=True)
         kwargs["kv_transfer_config"] = PykvConfig.from_extra_config(extra).to_kv_transfer_config(256)
     started = time.perf_counter()
     llm = LLM(**kwargs)
@@ -103,13 +111,14 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None, help="directory for overhead.jsonl and the profiles")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="with all: which configurations")
     args = parser.parse_args()
     if args.config != "all":
         engine(args.config, args)
         return
     os.makedirs(args.tree, exist_ok=True)
     rows = []
-    for config in CONFIGS:
+    for config in args.configs.split(","):
         cmd = [sys.executable, __file__, config, "--model-dir", args.model_dir, "--tree", args.tree,
                "--lengths", args.lengths, "--reps", str(args.reps)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)

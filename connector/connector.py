@@ -203,9 +203,9 @@ class PykvOffloadingConnector(OffloadingConnector):
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
         manager = compat.connector_offloading_manager(self)
-        if getattr(manager, "gate", None) is not None:  # break-even gate: show it the request's blocks first
+        if hasattr(manager, "survey_request"):  # the request's blocks at once (and the break-even gate) first
             groups = [(g.tokens_per_chunk, keys) for g, keys in self._keys_per_group(request)]
-            manager.gate_request(request.request_id, groups, num_computed_tokens)
+            manager.survey_request(request.request_id, groups, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)
 
     # -- preloading: scheduler side ------------------------------------------------------------------

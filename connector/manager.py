@@ -32,6 +32,7 @@ from pykv.auth import load_key_ring
 from pykv.calibration import BreakEvenGate
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.counters import CounterFile, Metric, SchedulerCounter
+from pykv.fanout import FanOut, lookup_threads
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
 from pykv.store import open_devices, open_store_medium
@@ -72,6 +73,7 @@ class PykvManager(OffloadingManager):
         self.namespace = self.rank_namespaces[0]
         self.devices = open_devices(pykv)
         self.medium = open_store_medium(self.devices)  # lookups and access stamps only
+        self.lookups = FanOut(lookup_threads(len(self.devices)))  # a request's existence checks at once
         try:
             self.devices.ensure_namespace(self.namespace)
         except OSError as exc:  # a read-only tree can still serve loads
@@ -97,8 +99,8 @@ class PykvManager(OffloadingManager):
             ring = load_key_ring(pykv.auth_key_file)
             log.info("pykv: authenticated blocks, %s", ring)
         self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
-        self._gate_request: str | None = None  # the request the gate looked at last, and what it found:
-        self._gate_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse it
+        self._surveyed: str | None = None  # the request surveyed last, and where its blocks are:
+        self._survey_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse them
         log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", _roots(pykv), self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
 
@@ -115,8 +117,8 @@ class PykvManager(OffloadingManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         if self._gate_refused is not None and req_context.req_id == self._gate_refused:
             return LookupResult.MISS
-        if req_context.req_id == self._gate_request and key in self._gate_tiers:
-            tier = self._gate_tiers[key]  # the gate just looked: no second stat per block
+        if req_context.req_id == self._surveyed and key in self._survey_tiers:
+            tier = self._survey_tiers[key]  # surveyed just before: no second stat per block
         else:
             tier = self.tier_of(key)
         return LookupResult.MISS if tier is None else LookupResult.HIT
@@ -131,14 +133,29 @@ class PykvManager(OffloadingManager):
         """Whether every rank's file of ``key`` is published (one stat per rank)."""
         return all(self.medium.contains(ns.id, key) for ns in self.rank_namespaces)
 
-    def gate_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
-        """Before a request's lookups (connector hook): refuse its load if the reusable prefix is
-        below its tier's break-even length; ``lookup`` then answers MISS for it and vLLM recomputes."""
+    def survey_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
+        """Before a request's lookups (connector hook): where each block it would load is, found at
+        once when its first block is stored (the disk checks on ``lookups``' threads; ``lookup`` then
+        answers from them); with a gate, refuse its load if the reusable prefix is below its tier's
+        break-even length (``lookup`` then answers MISS for it and vLLM recomputes)."""
         self._gate_refused = None
-        self._gate_request, self._gate_tiers = req_id, {}
+        self._surveyed, self._survey_tiers = req_id, {}
+        tiers = self._survey_tiers
+        wanted = [key for tokens_per_block, keys in groups for key in keys[num_computed_tokens // tokens_per_block:]]
+        if wanted:
+            tiers[wanted[0]] = self.tier_of(wanted[0])
+            if tiers[wanted[0]] is not None:  # a hit: the rest at once (a miss loads nothing, looks no further)
+                rest = [key for key in dict.fromkeys(wanted[1:]) if key not in tiers]
+                disk = []
+                for key in rest:
+                    if self.residency.slot_of(key) is not None:
+                        tiers[key] = Tier.DRAM
+                    else:
+                        disk.append(key)
+                for key, stored in zip(disk, self.lookups.map(self.on_disk, disk)):
+                    tiers[key] = Tier.DISK if stored else None
         if self.gate is None:
             return
-        tiers = self._gate_tiers
 
         def tier_of(key: bytes) -> Tier | None:
             if key not in tiers:
@@ -312,6 +329,7 @@ class PykvManager(OffloadingManager):
         ``pykv fsck`` and the lease blocks other engines' eviction until it expires."""
         if self.evictor is not None:
             self.evictor.close()
+        self.lookups.close()
         self._write_stats()
         self._stats_file.flush()
 

@@ -44,6 +44,15 @@ def _staging(value: Any, key: str) -> int | None:
     return _size(value, key)
 
 
+def _threads_or_auto(value: Any, key: str) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        return _positive_int(64)(value, key)
+    except InputError:
+        raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to 64, got {str(value)[:40]!r}") from None
+
+
 def _roots(value: Any, key: str) -> tuple[str, ...]:
     items = tuple(value) if isinstance(value, (list, tuple)) else None
     if items is None or (isinstance(value, list) and not items) or not all(isinstance(item, str) and item.strip() for item in items):
@@ -148,6 +157,9 @@ def root_keys(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
 
 
 IO_ENGINES = ("auto", "io_uring", "threadpool")
+AUTO_MIN_VERIFY_THREADS = 4
+"""verify_threads=auto's floor: enough for one device's reads at a few GB/s (xxh3 hashes several GB/s
+per thread); above it one thread per device while the host has the cores (docs/configuration.md)."""
 """``io_engine``'s choices."""
 DRAM_POLICIES = tuple(EVICTION_POLICIES)
 """``dram_policy``'s choices."""
@@ -179,8 +191,8 @@ class PykvConfig:
                                    "read faster with more, smaller requests in flight gain (see "
                                    "docs/benchmarks.md).", "size")
     io_engine: str = _key(_choice(*IO_ENGINES), "auto",
-                          "I/O backend. auto: io_uring when usable (on one device or several), else the "
-                          "preadv/pwritev thread pool.", "str")
+                          "I/O backend. auto: io_uring when usable and the medium takes O_DIRECT (one device "
+                          "or several), else the preadv/pwritev thread pool.", "str")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
     dram_policy: str = _key(_choice(*DRAM_POLICIES), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, False, "Read the stored blocks of requests still waiting in vLLM's queue into "
@@ -195,8 +207,10 @@ class PykvConfig:
     fsync: bool = _key(_bool, False, "fsync each block file (and its directory) before publishing.", "bool")
     verify: str = _key(_choice(*VERIFY_MODES), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
-    verify_threads: int = _key(_positive_int(64), 4, "Threads that check payload checksums (verify=full) or MACs "
-                               "(auth_key_file, which also signs stores on them) beside the reads.", "int")
+    verify_threads: int | None = _key(_threads_or_auto, "auto", "Threads that check payload checksums (verify=full) "
+                                      "or MACs (auth_key_file, which also signs stores on them) beside the reads. "
+                                      "auto: max(4, min(devices, half the host's cores)).",
+                                      "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     max_tree_bytes: int = _key(_size, 0, "Keep the tree under this size while serving (per device with `roots`): "
@@ -262,12 +276,18 @@ class PykvConfig:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return max(self.io_depth + 1, min(wanted, memory // 4 // slot_bytes))
 
+    def hashing_threads(self) -> int:
+        """The verifier threads: ``verify_threads``, or auto (one per device, at least 4, at most half the cores)."""
+        if self.verify_threads is not None:
+            return self.verify_threads
+        return max(AUTO_MIN_VERIFY_THREADS, min(len(self.root_paths), (os.cpu_count() or 1) // 2))
+
     def to_extra_config(self) -> dict[str, Any]:
         """pykv's keys in their written form (sizes in bytes, modes as octal strings)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "staging_bytes" and value is None:
+            if f.name in ("staging_bytes", "verify_threads") and value is None:
                 value = "auto"
             if value is None or value == () or (f.name == "root" and not value):
                 continue  # an unset optional key (breakeven_file), the unused one of root and roots

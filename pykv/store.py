@@ -124,6 +124,17 @@ def devices_take_direct(devices: DeviceSet) -> bool:
     return True
 
 
+def io_engine_for(io_engine: str, medium: Medium) -> str:
+    """``io_engine`` with ``auto`` settled for ``medium``: io_uring where it reads with O_DIRECT, the
+    thread pool on a buffered medium. A buffered read of cached pages is a CPU copy that never
+    sleeps, so io_uring runs all of them on one thread (inline, or on one io-wq worker, which adds
+    workers only when one blocks), where the pool copies on all of its threads (docs/benchmarks.md)."""
+    if io_engine != "auto" or medium.opens_direct:
+        return io_engine
+    log.info("pykv: buffered I/O (no O_DIRECT on the medium): io_engine auto uses the thread pool")
+    return "threadpool"
+
+
 def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, client: object,
                   on_job_done: Callable[[JobResult], None] | None = None) -> Reactor:
     """The medium, the I/O backend and the reactor for ``config`` (with the key ring of
@@ -131,9 +142,9 @@ def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, 
     medium = open_store_medium(devices, direct=devices_take_direct(devices))
     reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
-                                   read_segment=config.read_segment_bytes, verify_threads=config.verify_threads)
-    backend = open_backend(config.io_engine, depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes),
-                           directory=devices[0].root)
+                                   read_segment=config.read_segment_bytes, verify_threads=config.hashing_threads())
+    backend = open_backend(io_engine_for(config.io_engine, medium),
+                           depth=backend_depth(reactor_config, pool.slot_bytes, medium.lanes), directory=devices[0].root)
     keys = load_key_ring(config.auth_key_file).with_hash_threads(config.mac_threads) if config.auth_key_file else None
     return Reactor(backend, pool, medium, config=reactor_config, sink=client, source=client,
                    on_job_done=on_job_done, keys=keys)

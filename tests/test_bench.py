@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -80,6 +81,26 @@ def test_files_pass_puts_the_same_number_of_blocks_on_every_device(tmp_path):
         lanes = Counter(files.reactor.medium.lane(b.path) for b in files.stores)
         assert lanes == {0: 5, 1: 5, 2: 5, 3: 5}
         assert len({b.key for b in files.stores}) == 20
+
+
+def test_the_reactor_hashes_on_auto_or_given_verify_threads(tmp_path, monkeypatch):
+    import os
+    from pykv.bench import block_files
+    from pykv.reactor_verify import THREAD_PREFIX
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    dirs = [tmp_path / f"d{i}" for i in range(6)]
+    for d in dirs:
+        d.mkdir()
+    for given, threads in ((None, 6), (5, 5)):
+        with block_files("threadpool", dirs, blocks_per_device=2, block_size=MIB, depth=1, verify="full",
+                         verify_threads=given) as files:
+            assert files.reactor.config.verify_threads == threads
+            files.reactor.submit_store("s", files.stores)
+            assert not files.reactor.wait_for("s").failed
+            files.reactor.submit_load("l", files.loads)
+            assert not files.reactor.wait_for("l").failed
+            hashing = {t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+            assert 1 <= len(hashing) <= threads
 
 
 class SkewedMedium:

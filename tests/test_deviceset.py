@@ -171,6 +171,22 @@ def test_auto_staging_grows_with_the_devices():
     assert PykvConfig.from_extra_config({"root": "/a"}).to_extra_config()["staging_bytes"] == "auto"
 
 
+def test_auto_verify_threads_follow_the_devices_within_the_cores(monkeypatch):
+    eight = [f"/d{i}" for i in range(8)]
+    for cores, devices, threads in ((16, 8, 8), (16, 1, 4), (2, 8, 4), (8, 8, 4), (12, 8, 6), (64, 8, 8),
+                                    (None, 8, 4)):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        config = PykvConfig.from_extra_config({"roots": eight[:devices]} if devices > 1 else {"root": "/a"})
+        assert config.verify_threads is None and config.hashing_threads() == threads, (cores, devices)
+        assert config.to_extra_config()["verify_threads"] == "auto"
+    given = PykvConfig.from_extra_config({"roots": eight, "verify_threads": "3"})
+    assert given.hashing_threads() == 3 and given.to_extra_config()["verify_threads"] == 3
+    assert PykvConfig.from_extra_config({"root": "/a", "verify_threads": " AUTO "}).verify_threads is None
+    for bad in (0, 65, "many", -1, True, 2.5):
+        with pytest.raises(InputError, match=r"verify_threads: expected auto or an integer from 1 to 64"):
+            PykvConfig.from_extra_config({"root": "/a", "verify_threads": bad})
+
+
 def test_a_store_striped_over_three_roots_puts_each_block_on_its_device_and_loads_it(tmp_path):
     roots = [str(r) for r in make_roots(tmp_path, 3)]
     config = PykvConfig.from_extra_config({"roots": roots, "io_engine": "threadpool", "io_depth": 2})

@@ -148,7 +148,7 @@ def test_no_file_no_gate(tmp_path):
     m = manager(tmp_path)
     assert m.gate is None
     on_disk(m, KEYS[:1])
-    m.gate_request("r", [(CHUNK, KEYS[:1])], 0)
+    m.survey_request("r", [(CHUNK, KEYS[:1])], 0)
     assert lookups(m, "r", KEYS[:1]) == [LookupResult.HIT]
     assert Metric.GATE_REFUSALS not in m.counters
 
@@ -156,14 +156,14 @@ def test_no_file_no_gate(tmp_path):
 def test_short_prefix_is_refused_and_counted_long_one_loads(tmp_path):
     m = manager(tmp_path, breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 200}))
     on_disk(m, KEYS[:4])
-    m.gate_request("short", [(CHUNK, KEYS[:3])], 0)  # 192 tokens < 200
+    m.survey_request("short", [(CHUNK, KEYS[:3])], 0)  # 192 tokens < 200
     assert lookups(m, "short", KEYS[:3]) == [LookupResult.MISS] * 3
     assert lookups(m, "other", KEYS[:1]) == [LookupResult.HIT]  # another request is not affected
     assert m.counters[Metric.GATE_REFUSALS] == 1 and m.counters[Metric.GATE_REFUSED_TOKENS] == 192
-    m.gate_request("long", [(CHUNK, KEYS[:4])], 0)  # 256 tokens
+    m.survey_request("long", [(CHUNK, KEYS[:4])], 0)  # 256 tokens
     assert lookups(m, "long", KEYS[:4]) == [LookupResult.HIT] * 4
     assert lookups(m, "short", KEYS[:1]) == [LookupResult.HIT]  # the refusal held for its own round only
-    m.gate_request("long", [(CHUNK, KEYS[:4])], 64)  # a GPU prefix hit leaves 192 tokens to load
+    m.survey_request("long", [(CHUNK, KEYS[:4])], 64)  # a GPU prefix hit leaves 192 tokens to load
     assert lookups(m, "long", KEYS[1:4]) == [LookupResult.MISS] * 3
     assert m.counters[Metric.GATE_REFUSALS] == 2
     stats = m.get_stats()
@@ -176,14 +176,54 @@ def test_lookups_after_an_admitted_gate_reuse_what_it_found(tmp_path, monkeypatc
     stats = []
     contains = m.devices[0].contains
     monkeypatch.setattr(m.devices[0], "contains", lambda ns, key: stats.append(key) or contains(ns, key))
-    m.gate_request("r", [(CHUNK, KEYS[:4])], 0)  # 3 blocks on disk, the 4th missing: 192 tokens >= 100
+    m.survey_request("r", [(CHUNK, KEYS[:4])], 0)  # 3 blocks on disk, the 4th missing: 192 tokens >= 100
     assert stats == KEYS[:4]
     assert lookups(m, "r", KEYS[:4]) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
     assert stats == KEYS[:4]  # no second look at the tree
     assert lookups(m, "other", KEYS[:1]) == [LookupResult.HIT] and stats == KEYS[:4] + KEYS[:1]
     (m.devices[0].block_path(m.namespace.id, KEYS[0])).unlink()  # gone since: the next round looks again
-    m.gate_request("r", [(CHUNK, KEYS[:4])], 0)
+    m.survey_request("r", [(CHUNK, KEYS[:4])], 0)
     assert lookups(m, "r", KEYS[:1]) == [LookupResult.MISS]
+
+
+def test_a_stored_prefix_is_surveyed_at_once_on_the_lookup_threads_and_lookups_reuse_it(tmp_path, monkeypatch):
+    import threading
+
+    from pykv.fanout import THREAD_PREFIX
+    m = manager(tmp_path, dram_bytes="1M")  # no gate: the survey runs all the same
+    keys = [bytes([i, 7]) * 18 for i in range(40)]
+    on_disk(m, keys[:30])
+    in_dram(m, keys[30:31])  # resident in DRAM: no stat for it
+    stats, threads = [], set()
+    contains = m.devices[0].contains
+
+    def counted(ns, key):
+        stats.append(key)
+        threads.add(threading.current_thread().name)
+        return contains(ns, key)
+    monkeypatch.setattr(m.devices[0], "contains", counted)
+    m.survey_request("r", [(CHUNK, keys)], 0)
+    assert sorted(stats) == sorted(keys[:30] + keys[31:]) and len(stats) == 39
+    assert any(name.startswith(THREAD_PREFIX) for name in threads)
+    assert lookups(m, "r", keys[:32]) == [LookupResult.HIT] * 31 + [LookupResult.MISS]
+    assert len(stats) == 39  # answered from the survey
+    m.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def test_a_request_whose_first_block_misses_costs_one_stat_and_a_gpu_hit_skips_its_blocks(tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    keys = [bytes([i, 9]) * 18 for i in range(20)]
+    on_disk(m, keys[5:])
+    stats = []
+    contains = m.devices[0].contains
+    monkeypatch.setattr(m.devices[0], "contains", lambda ns, key: stats.append(key) or contains(ns, key))
+    m.survey_request("miss", [(CHUNK, keys)], 0)
+    assert stats == [keys[0]] and lookups(m, "miss", keys[:1]) == [LookupResult.MISS]
+    stats.clear()
+    m.survey_request("gpu-hit", [(CHUNK, keys)], 5 * CHUNK)  # the first 5 blocks are in vLLM's GPU cache
+    assert sorted(stats) == sorted(keys[5:])
+    assert lookups(m, "gpu-hit", keys[5:]) == [LookupResult.HIT] * 15 and len(stats) == 15
 
 
 def test_dram_and_disk_thresholds(tmp_path):
@@ -191,9 +231,9 @@ def test_dram_and_disk_thresholds(tmp_path):
                                                                              {"disk": 1000, "dram": 100}))
     in_dram(m, KEYS[:2])
     on_disk(m, KEYS[2:3])
-    m.gate_request("dram", [(CHUNK, KEYS[:2])], 0)  # 128 tokens from DRAM >= 100
+    m.survey_request("dram", [(CHUNK, KEYS[:2])], 0)  # 128 tokens from DRAM >= 100
     assert lookups(m, "dram", KEYS[:2]) == [LookupResult.HIT] * 2
-    m.gate_request("mixed", [(CHUNK, KEYS[:3])], 0)  # 192 tokens, one block from disk: < 1000
+    m.survey_request("mixed", [(CHUNK, KEYS[:3])], 0)  # 192 tokens, one block from disk: < 1000
     assert lookups(m, "mixed", KEYS[:3]) == [LookupResult.MISS] * 3
 
 
@@ -229,7 +269,7 @@ def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
     from pykv.connector.connector import PykvOffloadingConnector
 
     seen = []
-    fake_manager = SimpleNamespace(gate=BreakEvenGate({}), gate_request=lambda *args: seen.append(args))
+    fake_manager = SimpleNamespace(gate=BreakEvenGate({}), survey_request=lambda *args: seen.append(args))
     group = SimpleNamespace(tokens_per_chunk=64, hashes_per_chunk=4, group_idx=3)
     connector = object.__new__(PykvOffloadingConnector)
     connector.connector_scheduler = SimpleNamespace(manager=fake_manager,
@@ -241,7 +281,11 @@ def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
     assert connector.get_num_new_matched_tokens(request, 16) == (0, False)
     expected = [compat.make_offload_key(hashes[3], 3), compat.make_offload_key(hashes[7], 3)]
     assert seen == [("r1", [(64, expected)], 16), "super"]
-    fake_manager.gate = None  # no gate: no work
+    fake_manager.gate = None  # no gate: the survey still finds the blocks at once
+    seen.clear()
+    connector.get_num_new_matched_tokens(request, 0)
+    assert seen == [("r1", [(64, expected)], 0), "super"]
+    del fake_manager.survey_request  # a manager that is not pykv's: nothing before vLLM's lookups
     seen.clear()
     connector.get_num_new_matched_tokens(request, 0)
     assert seen == ["super"]

@@ -214,6 +214,34 @@ def test_the_dry_run_of_stage_s4_alternates_defaults_and_two_keyed_variants_on_o
         [(False, 0, "full")] * 2 + [(True, 0, "full")] * 2 + [(True, 1, "full")] * 2
 
 
+def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_hashing_variant(tmp_path):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "h200_connector.py"), "stage", "S5", "--dry-run",
+                             "--work", str(tmp_path / "work"), "--mount-base", str(tmp_path / "mnt"),
+                             "--shm", str(tmp_path / "shm")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "verify=full with 4/8/12/16 hashing threads" in result.stdout
+    engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
+    assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-vt8-query", "pykv-stripe8-vt16-query",
+                       "pykv-stripe8-header-query"]
+    configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
+               for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
+    assert [(c["verify"], c["verify_threads"], len(c["roots"])) for c in configs] == \
+        [("full", "auto", 8), ("full", "auto", 8), ("full", 8, 8), ("full", 16, 8), ("header", "auto", 8)]
+
+
+def test_stage_s5_reports_each_query_variant_with_its_load_rate():
+    recs = stripe_records()
+    for variant, ttft in (("defaults", 0.71), ("vt8", 0.67), ("header", 0.674)):
+        for doc in (0, 1):
+            recs.append({"kind": "ttft", "stage": "S5", "label": f"pykv-stripe8-{variant}-query", "system": "pykv",
+                         "medium": "stripe8", "variant": variant, "phase": "query", "length": 81920, "doc": doc,
+                         "ttft": ttft + doc * 0.01, "load_job_bytes": 9_000_000_000, "load_job_us": 600_000 + doc})
+    text, md, summary = build_report(recs)
+    line = ("L=81,920: defaults 0.715 s (load 15.00-15.00 (n=2) GB/s), vt8 0.675 s (load 15.00-15.00 (n=2) GB/s), "
+            "header 0.679 s (load 15.00-15.00 (n=2) GB/s)")
+    assert line in text and line in md and summary["verify"]["lines"] == [line]
+
+
 def test_the_report_without_striped_records_has_no_issue_17_section():
     text, _, summary = build_report(load_records([str(RUN1)]))
     assert "Issue 17" not in text and "striping" not in summary
@@ -260,13 +288,30 @@ def test_the_reactor_pass_loads_block_files_over_every_device_in_each_mode_and_l
     keys.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(keys))
     results = tmp_path / "r.jsonl"
-    reactor_files(argparse.Namespace(results=str(results), stage="S1", files_size=2 * FILE_BLOCK, files_depth=2),
-                  dirs, ["threadpool"])
+    reactor_files(argparse.Namespace(results=str(results), stage="S1", files_size=2 * FILE_BLOCK, files_depth=2,
+                                     files_modes="header,full,auth", verify_threads=""), dirs, ["threadpool"])
     records = [json.loads(line) for line in results.read_text().splitlines()]
     reads = {r["verify"]: r for r in records if r["what"] == FILES_WHAT}
     assert sorted(reads) == ["auth", "full", "header"]
     assert all(r["bytes"] >= 2 * FILE_BLOCK * len(dirs) - FILE_BLOCK and r["gb_per_s"] > 0 for r in reads.values())
     assert list(keys.iterdir()) == [] and all(list(d.iterdir()) == [] for d in dirs)
+
+
+def test_the_reactor_pass_hashes_once_per_thread_count_and_reports_each(tmp_path):
+    """S5's pass: ``verify=header`` once, ``verify=full`` per ``--verify-threads`` count, tagged with it."""
+    import argparse
+
+    from h200bench.multibw import FILE_BLOCK, FILES_WHAT, reactor_files
+    dirs = direct_dirs(tmp_path, 2)
+    results = tmp_path / "r.jsonl"
+    reactor_files(argparse.Namespace(results=str(results), stage="S5", files_size=FILE_BLOCK, files_depth=2,
+                                     files_modes="header,full", verify_threads="2,3"), dirs, ["threadpool"])
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    reads = sorted((r["verify"], r.get("verify_threads", 0)) for r in records if r["what"] == FILES_WHAT)
+    assert reads == [("full", 2), ("full", 3), ("header", 0)]
+    assert all(r["gb_per_s"] > 0 for r in records)
+    text, _, _ = build_report(records)
+    assert "verify=full, 3 hashing threads" in text and "verify=header:" in text
 
 
 def test_the_report_shows_the_reactor_pass_beside_the_aggregate():

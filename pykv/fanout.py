@@ -1,0 +1,56 @@
+"""Many small blocking file-system calls at once: the existence checks of a request's blocks.
+
+A disk hit's lookups are one ``lstat`` per block (and per rank), made by the scheduler before
+the load can start. With the directory and inode caches warm each takes microseconds; cold
+(a tree larger than the kernel's caches, or a fresh host) each one waits for a metadata read
+from its device, and one after another they add up to tens of milliseconds before an 80k
+load begins. ``FanOut`` runs them on a few threads instead (``lstat`` releases the GIL), so the
+devices serve the metadata reads in parallel. Short lists run inline: threads would cost more.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+INLINE_MAX = 8
+"""Up to this many items run on the calling thread."""
+THREAD_PREFIX = "pykv-lookup"
+
+
+def lookup_threads(devices: int) -> int:
+    """Threads for the lookups over ``devices`` devices: two per device, 4 to 16."""
+    return max(4, min(16, 2 * devices))
+
+
+class FanOut:
+    """``map`` a blocking call over items on ``threads`` threads (started on first use), in order."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def map(self, call: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+        """``[call(item) for item in items]``, run on the threads when there are more than
+        ``INLINE_MAX`` items; an exception of ``call`` propagates, as inline."""
+        if len(items) <= INLINE_MAX or self.threads == 1:
+            return [call(item) for item in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
+        share = self.threads
+        parts = [items[i::share] for i in range(share)]  # interleaved: each thread gets every device
+        done = list(self._pool.map(lambda part: [call(item) for item in part], parts))
+        results: list = [None] * len(items)
+        for i, part in enumerate(done):
+            results[i::share] = part
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,59 @@
+"""``FanOut``: a blocking call over many items on a few threads, results in order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pykv.fanout import INLINE_MAX, THREAD_PREFIX, FanOut, lookup_threads
+
+
+def test_results_come_back_in_the_items_order_whatever_the_threads_finish_first():
+    fan = FanOut(4)
+    try:
+        items = list(range(50))
+        assert fan.map(lambda i: (time.sleep(0.001 * (i % 3)), i * i)[1], items) == [i * i for i in items]
+        assert fan.map(str, []) == []
+    finally:
+        fan.close()
+
+
+def test_a_short_list_runs_inline_and_a_long_one_on_the_threads_at_once():
+    fan = FanOut(4)
+    try:
+        assert fan.map(lambda _: threading.current_thread().name, list(range(INLINE_MAX))) == \
+            [threading.current_thread().name] * INLINE_MAX
+        barrier = threading.Barrier(4, timeout=5)  # only passes when four calls run at the same time
+
+        def call(i: int) -> str:
+            if i < 4:
+                barrier.wait()
+            return threading.current_thread().name
+        names = fan.map(call, list(range(40)))
+        assert all(name.startswith(THREAD_PREFIX) for name in names) and len(set(names)) == 4
+    finally:
+        fan.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def test_an_exception_of_the_call_propagates_as_inline():
+    fan = FanOut(3)
+    try:
+        def call(i: int) -> int:
+            if i == 17:
+                raise OSError("boom")
+            return i
+        with pytest.raises(OSError, match="boom"):
+            fan.map(call, list(range(30)))
+        assert fan.map(call, list(range(10))) == list(range(10))
+    finally:
+        fan.close()
+
+
+def test_thread_counts():
+    assert [lookup_threads(n) for n in (1, 2, 3, 8, 9, 64)] == [4, 4, 6, 16, 16, 16]
+    with pytest.raises(ValueError):
+        FanOut(0)
+    assert FanOut(1).map(lambda i: i + 1, list(range(20))) == list(range(1, 21))
