@@ -221,23 +221,24 @@ def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_hashing
     assert result.returncode == 0, result.stderr
     assert "verify=full with 4/8/12/16 hashing threads" in result.stdout
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
-    assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-vt8-query", "pykv-stripe8-vt16-query",
-                       "pykv-stripe8-header-query"]
+    assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-vt4-query",
+                       "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query"]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
-    assert [(c["verify"], c["verify_threads"], len(c["roots"])) for c in configs] == \
-        [("full", "auto", 8), ("full", "auto", 8), ("full", 8, 8), ("full", 16, 8), ("header", "auto", 8)]
+    assert [(c["verify"], c["verify_threads"], c["io_engine"], len(c["roots"])) for c in configs] == \
+        [("full", "auto", "auto", 8), ("full", "auto", "auto", 8), ("full", 4, "auto", 8),
+         ("full", "auto", "threadpool", 8), ("header", "auto", "auto", 8)]
 
 
 def test_stage_s5_reports_each_query_variant_with_its_load_rate():
     recs = stripe_records()
-    for variant, ttft in (("defaults", 0.71), ("vt8", 0.67), ("header", 0.674)):
+    for variant, ttft in (("defaults", 0.71), ("vt4", 0.67), ("header", 0.674)):
         for doc in (0, 1):
             recs.append({"kind": "ttft", "stage": "S5", "label": f"pykv-stripe8-{variant}-query", "system": "pykv",
                          "medium": "stripe8", "variant": variant, "phase": "query", "length": 81920, "doc": doc,
                          "ttft": ttft + doc * 0.01, "load_job_bytes": 9_000_000_000, "load_job_us": 600_000 + doc})
     text, md, summary = build_report(recs)
-    line = ("L=81,920: defaults 0.715 s (load 15.00-15.00 (n=2) GB/s), vt8 0.675 s (load 15.00-15.00 (n=2) GB/s), "
+    line = ("L=81,920: defaults 0.715 s (load 15.00-15.00 (n=2) GB/s), vt4 0.675 s (load 15.00-15.00 (n=2) GB/s), "
             "header 0.679 s (load 15.00-15.00 (n=2) GB/s)")
     assert line in text and line in md and summary["verify"]["lines"] == [line]
 
