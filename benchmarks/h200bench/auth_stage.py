@@ -58,10 +58,7 @@ def build(records: list[dict]) -> Section | None:
     lines = report_lines(records)
     if not lines:
         return None
-    s = Section()
-    title = "Issue 20: authenticated loads against verify=full, one device (stage S4)"
-    s.text.append(f"== {title} ==")
-    s.md.append(f"### {title}\n")
+    s = Section.titled("Issue 20: authenticated loads against verify=full, one device (stage S4)")
     s.lines("disk-hit TTFT (medians of both runs of each variant):", lines)
     s.summary = {"lines": lines}
     return s

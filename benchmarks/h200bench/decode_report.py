@@ -53,13 +53,11 @@ def build(records: list[dict]) -> Section | None:
     latest = latest_itl(records)
     if not latest:
         return None
-    s = Section()
     any_r = next(iter(latest.values()))
     lengths = "/".join(f"{x / 1024:g}k" for x in any_r["long_lengths"])
-    title = (f"Issue 19: decode ITL beside background stores and loads (stage I: {any_r['decode_seqs']} decodes, "
-             f"{any_r['long_requests']} long prompts of {lengths} tokens every {any_r['long_gap_s']} s, half stored)")
-    s.text.append(f"== {title} ==")
-    s.md.append(f"### {title}\n")
+    s = Section.titled(f"Issue 19: decode ITL beside background stores and loads (stage I: {any_r['decode_seqs']} "
+                       f"decodes, {any_r['long_requests']} long prompts of {lengths} tokens every "
+                       f"{any_r['long_gap_s']} s, half stored)")
     rows = []
     for system in sorted(latest, key=lambda k: ORDER.index(k) if k in ORDER else 9):
         r = latest[system]

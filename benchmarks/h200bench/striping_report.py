@@ -21,6 +21,14 @@ class Section:
     summary: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
+    @classmethod
+    def titled(cls, title: str) -> "Section":
+        """A section that opens with ``title`` (text and markdown)."""
+        s = cls()
+        s.text.append(f"== {title} ==")
+        s.md.append(f"### {title}\n")
+        return s
+
     def table(self, title: str, head: list[str], rows: list[list[str]]) -> None:
         widths = [max(len(h), *(len(r[j]) for r in rows)) if rows else len(h) for j, h in enumerate(head)]
         self.text.append(f"-- {title} --")
@@ -86,9 +94,7 @@ def build(records: list[dict]) -> Section | None:
     if not counts:
         return None
     many = max(counts)
-    s = Section()
-    s.text.append(f"== Issue 17: {many} loop devices in /dev/shm as one pykv cache (stages S1-S3) ==")
-    s.md.append(f"### Issue 17: {many} loop devices in /dev/shm as one pykv cache (stages S1-S3)\n")
+    s = Section.titled(f"Issue 17: {many} loop devices in /dev/shm as one pykv cache (stages S1-S3)")
     ttft = [r for r in records if r.get("kind") == "ttft" and r.get("phase") == "query"]
     lengths = sorted({r["length"] for r in ttft if str(r.get("medium", "")).startswith("stripe")})
 

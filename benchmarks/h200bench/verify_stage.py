@@ -53,10 +53,7 @@ def build(records: list[dict]) -> Section | None:
             and r.get("system") == "pykv" and r.get("stage") == "S5"]
     if not ttft:
         return None
-    s = Section()
-    title = "Issue 17: verify=full's cost per hashing thread count, the device set (stage S5)"
-    s.text.append(f"== {title} ==")
-    s.md.append(f"### {title}\n")
+    s = Section.titled("Issue 17: verify=full, hashing threads and the I/O engine, the device set (stage S5)")
     s5 = [r for r in records if r.get("stage") == "S5"]
     s.lines("the reactor over block files (no GPU):", reactor_lines(s5, {}))
     lines = []
