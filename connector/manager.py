@@ -141,19 +141,8 @@ class PykvManager(OffloadingManager):
         self._gate_refused = None
         self._surveyed, self._survey_tiers = req_id, {}
         tiers = self._survey_tiers
-        wanted = [key for tokens_per_block, keys in groups for key in keys[num_computed_tokens // tokens_per_block:]]
-        if wanted:
-            tiers[wanted[0]] = self.tier_of(wanted[0])
-            if tiers[wanted[0]] is not None:  # a hit: the rest at once (a miss loads nothing, looks no further)
-                rest = [key for key in dict.fromkeys(wanted[1:]) if key not in tiers]
-                disk = []
-                for key in rest:
-                    if self.residency.slot_of(key) is not None:
-                        tiers[key] = Tier.DRAM
-                    else:
-                        disk.append(key)
-                for key, stored in zip(disk, self.lookups.map(self.on_disk, disk)):
-                    tiers[key] = Tier.DISK if stored else None
+        self._find_tiers([key for tokens_per_block, keys in groups
+                          for key in keys[num_computed_tokens // tokens_per_block:]], tiers)
         if self.gate is None:
             return
 
@@ -168,6 +157,25 @@ class PykvManager(OffloadingManager):
             self.counters[Metric.GATE_REFUSALS] += 1
             self.counters[Metric.GATE_REFUSED_TOKENS] += decision.hit_tokens
             self._write_stats()
+
+    def _find_tiers(self, keys: list[bytes], tiers: dict[bytes, Tier | None]) -> None:
+        """Each of ``keys``' tier into ``tiers``: the first alone (a miss there loads nothing, so
+        nothing further is looked at), then DRAM residency inline and the disk checks at once."""
+        if not keys:
+            return
+        tiers[keys[0]] = self.tier_of(keys[0])
+        if tiers[keys[0]] is None:
+            return
+        disk = []
+        for key in dict.fromkeys(keys[1:]):
+            if key in tiers:
+                continue
+            if self.residency.slot_of(key) is not None:
+                tiers[key] = Tier.DRAM
+            else:
+                disk.append(key)
+        for key, stored in zip(disk, self.lookups.map(self.on_disk, disk)):
+            tiers[key] = Tier.DISK if stored else None
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
         """DRAM hits are pinned and served from their slot; disk hits get their atime stamped
