@@ -193,6 +193,7 @@ def test_tmpfs_warns_about_o_direct_and_reads_buffered(shm_dir):
     assert report.of("mount").detail.startswith("tmpfs ")
     if uring_available()[0]:
         assert report.of("io_uring").verdict is Verdict.OK and "buffered" in report.of("io_uring").detail
+        assert "io_engine=auto reads this mount through the thread pool" in report.of("io_uring").detail
     assert not report.failed and list(shm_dir.iterdir()) == []
 
 
