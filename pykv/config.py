@@ -208,7 +208,7 @@ class PykvConfig:
     verify: str = _key(_choice(*VERIFY_MODES), "full",
                        "Checks on load: header and payload checksum, or header only.", "str")
     verify_threads: int | None = _key(_threads_or_auto, "auto", "Threads that check payload checksums (verify=full) "
-                                      "or MACs (auth_key_file, which also signs stores on them) beside the reads. "
+                                      "or MACs (auth_key_file) beside the reads, and seal stores (checksum, MAC). "
                                       "auto: max(4, min(devices, half the host's cores)).",
                                       "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "

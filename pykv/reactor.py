@@ -7,8 +7,8 @@ verifier threads of ``reactor_verify`` so hashing never stalls the I/O; with a k
 the block's MAC instead, and a block the ring refuses is a failed load) and
 hands every block that became ready in one iteration to the ``LoadSink`` as one
 batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
-Stores run the other way: the ``StoreSource`` fills a slot, the reactor seals
-it (with a key ring, signs it on the verifier threads), writes header and payload
+Stores run the other way: the ``StoreSource`` fills a slot, the verifier threads seal
+it (checksum, and with a key ring the MAC), the reactor writes header and payload
 to a temporary file and publishes it. ``shed_stores`` drops the blocks of stores that still
 wait for a slot when the client cannot wait for them (vLLM reusing their GPU blocks).
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
@@ -77,8 +77,8 @@ class Reactor(LoadSteps, StoreSteps):
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
                                     max_speculative=self.config.max_speculative, lanes=lanes)
         self.keys = keys  # with a key ring every load is authenticated and every store signed
-        self._verifier = PayloadVerifier(self.config.verify_threads, keys) \
-            if self.config.verify == "full" or keys is not None else None
+        self._verifier = PayloadVerifier(self.config.verify_threads, keys)  # threads start on first use
+        self._verify_loads = self.config.verify == "full" or keys is not None
         self._hashing = 0  # blocks on the verifier threads (their slots must outlive the hashing)
         self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
@@ -158,8 +158,7 @@ class Reactor(LoadSteps, StoreSteps):
         """Finish in-flight work (I/O and checks), stop the threads and close the backend."""
         self._post(self._stop)
         self._thread.join()
-        if self._verifier is not None:
-            self._verifier.close()
+        self._verifier.close()
         self.backend.close()
 
     # -- reactor thread ------------------------------------------------------------------------

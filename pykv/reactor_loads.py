@@ -158,7 +158,7 @@ class LoadSteps:
                 error = BlockFailure(Step.CHECK, detail=exc.reason)
         self._close(t)
         self.stats["disk_read_bytes"] += t.done
-        if error is None and self._verifier is not None:
+        if error is None and self._verify_loads:
             self._verify(tid, t)
             return
         self._read_checked(tid, t, error)

@@ -1,5 +1,5 @@
-"""The reactor's store steps: the source fills a slot, the reactor seals it (header in front of
-the payload; with a key ring, signed on the verifier threads), writes it to the medium's
+"""The reactor's store steps: the source fills a slot, the verifier threads seal it (header with
+the payload's checksum in front of the payload; with a key ring, signed), the reactor writes it to the medium's
 temporary file and has the medium publish it.
 
 A mixin of ``Reactor`` (reactor thread only): it shares the reactor's transfers, policy,
@@ -13,7 +13,6 @@ from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
 from pykv.reactor_types import FillRequest, StoreBlock, TransferState
-from pykv.reactor_verify import seal_header
 
 
 class StoreSteps:
@@ -37,10 +36,7 @@ class StoreSteps:
             return
         head = self.pool.view(t.slot)[:HEADER_SIZE]
         payload = self.pool.payload_view(t.slot, t.block.geometry.payload_length)
-        if self.keys is None:  # the checksum alone: here (xxh3 is fast)
-            self._sealed(tid, t, seal_header(t.block, head, payload, None))
-            return
-        self._hashing += 1  # checksum and MAC: on the verifier threads, beside the I/O
+        self._hashing += 1  # checksum (and MAC): on the verifier threads, beside the I/O of other blocks
         self._verifier.seal(t.block, head, payload, lambda header: self._post(lambda: self._on_signed(tid, header)))
 
     def _on_signed(self, tid: int, header: BlockHeader | None) -> None:

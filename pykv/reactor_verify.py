@@ -1,6 +1,6 @@
 """Payload hashing beside the reads and writes, on a small thread pool: the xxh3 checksum of
-``verify="full"``, and with a key ring (``auth_key_file``) the keyed BLAKE3 MAC of every load
-and the sealing (checksum and MAC) of every store.
+``verify="full"``, with a key ring (``auth_key_file``) the keyed BLAKE3 MAC of every load, and
+the sealing of every store (its checksum, and with a key ring its MAC).
 
 Hashing a ~28 MiB block takes milliseconds; on the reactor thread it would stall every other
 read (at 20+ GB/s one thread cannot keep up). xxhash and blake3 release the GIL while they
@@ -50,9 +50,8 @@ class PayloadVerifier:
 
     def seal(self, block: StoreBlock, head: memoryview, payload: memoryview,
              done: Callable[[BlockHeader | None], None]) -> None:
-        """Build, encode and sign the header of a filled store ``block`` into ``head``;
-        ``done(header)``, or ``done(None)`` if that raised (a bug: the store fails, nothing hangs)."""
-        assert self.keys is not None
+        """Build and encode the header of a filled store ``block`` into ``head`` (signed with a key
+        ring); ``done(header)``, or ``done(None)`` if that raised (a bug: the store fails, nothing hangs)."""
         self._pool.submit(_seal, self.keys, block, head, payload, done)
 
     def close(self) -> None:
@@ -88,7 +87,7 @@ def _check(keys: KeyRing | None, header: BlockHeader, head: memoryview, payload:
     done(failure)
 
 
-def _seal(keys: KeyRing, block: StoreBlock, head: memoryview, payload: memoryview,
+def _seal(keys: KeyRing | None, block: StoreBlock, head: memoryview, payload: memoryview,
           done: Callable[[BlockHeader | None], None]) -> None:
     header = None
     try:

@@ -235,7 +235,7 @@ def test_reads_go_on_while_a_block_is_being_verified(verify_rig, monkeypatch):
     assert client.payloads["first", 0] == pattern(0)
 
 
-def test_close_stops_the_verifier_threads_and_header_mode_starts_none(tmp_path):
+def test_stores_seal_on_the_verifier_threads_header_loads_start_none_and_close_stops_them(tmp_path):
     tree = KVTree.create(tmp_path / "tree")
     tree.ensure_namespace(NS)
     before = set(verifier_threads())
@@ -243,12 +243,42 @@ def test_close_stops_the_verifier_threads_and_header_mode_starts_none(tmp_path):
         client = Client()
         reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), client, verify=verify,
                                verify_threads=3)
-        blocks = store_blocks(tree, 0, 5)
+        blocks = store_blocks(tree, 0 if verify == "full" else 5, 5)
         reactor.submit_store("s", blocks)
         reactor.wait_for("s", timeout=30)
+        started = set(verifier_threads()) - before
+        assert 0 < len(started) <= 3  # the stores' checksums, off the reactor thread in both modes
         reactor.submit_load("l", as_loads(blocks))
         assert reactor.wait_for("l", timeout=30).ok
-        started = set(verifier_threads()) - before
-        assert (len(started) > 0) == (verify == "full") and len(started) <= 3
         close(reactor)
         assert not set(verifier_threads()) - before
+    client = Client()  # header mode, loads only: nothing to hash, no thread
+    reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), client, verify="header",
+                           verify_threads=3)
+    reactor.submit_load("l", as_loads(store_blocks(tree, 0, 10)))
+    assert reactor.wait_for("l", timeout=30).ok
+    assert not set(verifier_threads()) - before
+    close(reactor)
+
+
+def test_a_stores_checksum_is_computed_on_a_verifier_thread_not_the_reactors(tmp_path, monkeypatch):
+    import threading
+
+    import pykv.reactor_verify as reactor_verify
+    tree = KVTree.create(tmp_path / "tree")
+    tree.ensure_namespace(NS)
+    sealed_on = []
+    real = reactor_verify.seal_header
+
+    def recording(block, head, payload, keys):
+        sealed_on.append(threading.current_thread().name)
+        return real(block, head, payload, keys)
+    monkeypatch.setattr(reactor_verify, "seal_header", recording)
+    reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), Client(), verify="header",
+                           verify_threads=2)
+    blocks = store_blocks(tree, 0, 4)
+    reactor.submit_store("s", blocks)
+    assert reactor.wait_for("s", timeout=30).ok
+    close(reactor)
+    assert len(sealed_on) == 4 and all(name.startswith(reactor_verify.THREAD_PREFIX) for name in sealed_on)
+    assert all(tree.contains(NS.id, b.key) for b in blocks)
