@@ -173,7 +173,10 @@ class Reactor(LoadSteps, StoreSteps):
         while True:
             while self._inbox:
                 self._inbox.popleft()()
-            self._perform(self.policy.step())
+            actions = self.policy.step()
+            while actions:  # what performing changed (a write refused at once, a freed depth) is granted too
+                self._perform(actions)
+                actions = self.policy.step()
             self._note_high_water()
             if self._stopping and self.backend.in_flight == 0 and not self._hashing and not self._inbox:
                 return
