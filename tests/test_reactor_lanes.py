@@ -282,3 +282,36 @@ def test_a_stores_checksum_is_computed_on_a_verifier_thread_not_the_reactors(tmp
     close(reactor)
     assert len(sealed_on) == 4 and all(name.startswith(reactor_verify.THREAD_PREFIX) for name in sealed_on)
     assert all(tree.contains(NS.id, b.key) for b in blocks)
+
+
+class RefusingMedium(PosixMedium):
+    """A medium that refuses every store at once, before any I/O (a read-only file system)."""
+
+    def prepare_write(self, path):
+        raise OSError(30, "Read-only file system")
+
+
+@pytest.mark.parametrize("engine", ["threadpool", "io_uring"])
+def test_stores_refused_before_any_io_still_finish_their_job(tmp_path, engine, monkeypatch):
+    """Nothing is in flight when the medium refuses the write: the reactor must still step the
+    policy to the job's end instead of waiting for a completion that never comes (the sealing
+    takes a while, so the reactor is asleep in the backend when it ends)."""
+    import time
+
+    real = pykv.reactor_verify.seal_header
+    monkeypatch.setattr(pykv.reactor_verify, "seal_header",
+                        lambda *args: (time.sleep(0.05), real(*args))[1])
+    tree = KVTree.create(tmp_path / "tree")
+    tree.ensure_namespace(NS)
+    try:
+        backend = open_backend(engine, depth=64)
+    except Exception as exc:  # noqa: BLE001 - io_uring refused here
+        pytest.skip(f"{engine}: {exc}")
+    reactor = make_reactor(tree, backend, RefusingMedium(tree), Client(), verify="header", verify_threads=2)
+    try:
+        for round_ in range(3):
+            reactor.submit_store(round_, store_blocks(tree, 10 * round_, 1))
+            result = reactor.wait_for(round_, timeout=10)
+            assert set(result.failed) == {0} and result.failed[0].medium_refuses_stores
+    finally:
+        close(reactor)
