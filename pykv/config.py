@@ -38,14 +38,16 @@ def _size(value: Any, key: str) -> int:
     return parse_size(value if isinstance(value, (int, str)) else str(value), field=f"{PREFIX}.{key}")
 
 
+def _is_auto(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() == "auto")
+
+
 def _staging(value: Any, key: str) -> int | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    return _size(value, key)
+    return None if _is_auto(value) else _size(value, key)
 
 
 def _threads_or_auto(value: Any, key: str) -> int | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+    if _is_auto(value):
         return None
     try:
         return _positive_int(64)(value, key)
@@ -157,10 +159,10 @@ def root_keys(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
 
 
 IO_ENGINES = ("auto", "io_uring", "threadpool")
+"""``io_engine``'s choices."""
 AUTO_MIN_VERIFY_THREADS = 4
 """verify_threads=auto's floor: enough for one device's reads at a few GB/s (xxh3 hashes several GB/s
 per thread); above it one thread per device while the host has the cores (docs/configuration.md)."""
-"""``io_engine``'s choices."""
 DRAM_POLICIES = tuple(EVICTION_POLICIES)
 """``dram_policy``'s choices."""
 VERIFY_MODES = ("full", "header")
@@ -277,7 +279,7 @@ class PykvConfig:
         return max(self.io_depth + 1, min(wanted, memory // 4 // slot_bytes))
 
     def hashing_threads(self) -> int:
-        """The verifier threads: ``verify_threads``, or auto (one per device, at least 4, at most half the cores)."""
+        """The verifier threads: ``verify_threads``, or auto (one per device up to half the cores, never under 4)."""
         if self.verify_threads is not None:
             return self.verify_threads
         return max(AUTO_MIN_VERIFY_THREADS, min(len(self.root_paths), (os.cpu_count() or 1) // 2))

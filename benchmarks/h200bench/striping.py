@@ -118,7 +118,7 @@ def pykv_disk_hits(runner, mnts: list[str], again: str = "", *, variant: str = "
     (labels ending in ``again`` when the same measurement is repeated: the report pools both).
     ``extra``: keys added to the defaults, under another ``variant``. ``queries``: (variant, keys)
     of several query engines after the one fill, each with its keys added (load-side keys only:
-    ``verify``, ``verify_threads``), the page cache dropped before each."""
+    ``verify``, ``verify_threads``, ``io_engine``), the page cache dropped before each."""
     name = medium(len(mnts))
     roots = [os.path.join(m, f"pykv-{name}") for m in mnts]
     if not runner.dry:
