@@ -16,9 +16,11 @@ then), possibly from another thread.
   without a device-wide sync, loads go out as one batch on a dedicated stream;
   each batch is one call of vLLM's batched copy op (``compat.batched_copy_op``,
   pointer lists from ``descriptors.copy_descriptors``) where the build has it,
-  torch copies otherwise; completions are found by polling CUDA events on a
-  small thread. It needs the staging pool page-locked
-  (``StagingPool(register=cuda_host_register)``).
+  torch copies otherwise. Load batches are issued on a thread of their own
+  (``from_slots`` only queues them, so the reactor goes back to its disk at
+  once; batches queued meanwhile go out as one), and completions are found by
+  polling CUDA events on another small thread. It needs the staging pool
+  page-locked (``StagingPool(register=cuda_host_register)``).
 """
 
 from __future__ import annotations
@@ -174,8 +176,10 @@ class CudaCopier(TorchCopier):
         self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
         self._next_stream = 0
         self._load_stream = torch.cuda.Stream(device=self.device)
-        self._pending: queue.Queue = queue.Queue()
-        self._stop = False
+        self._loads: queue.Queue = queue.Queue()  # (tasks, done, called) batches not yet issued
+        self._pending: queue.Queue = queue.Queue()  # (tasks, dones, event, keep, timing) issued
+        self._issuer = threading.Thread(target=self._issue_loads, name="pykv-cuda-loads", daemon=True)
+        self._issuer.start()
         self._thread = threading.Thread(target=self._poll, name="pykv-cuda-events", daemon=True)
         self._thread.start()
 
@@ -204,15 +208,34 @@ class CudaCopier(TorchCopier):
                 log.exception("pykv: device-to-host copy failed")
                 done(task, False)
                 continue
-            self._pending.put(([task], event, done, keep, None))
+            self._pending.put(([task], [done], event, keep, None))
 
     def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        """Queue one batch for the load thread (``_issue_loads``); returns at once."""
+        if tasks:
+            self._loads.put((list(tasks), done, time.perf_counter()))
+
+    def _issue_loads(self) -> None:
+        """The load thread: every batch queued so far goes out as one on the load stream."""
+        torch.cuda.set_device(self.device)
+        while True:
+            batches = [self._loads.get()]
+            while not self._loads.empty():
+                batches.append(self._loads.get_nowait())
+            stop = any(b is None for b in batches)
+            batches = [b for b in batches if b is not None]
+            if batches:
+                tasks = [t for b in batches for t in b[0]]
+                dones = [b[1] for b in batches for _ in b[0]]
+                self._issue_load_batch(tasks, dones, min(b[2] for b in batches))
+            if stop:
+                return
+
+    def _issue_load_batch(self, tasks: list[CopyTask], dones: list[Done], called: float) -> None:
         """One batch on the load stream; ``stats`` get its host time, device time and wall time
         (``h2d_*_us``: issue = building and submitting it, gpu = the copies between CUDA events,
-        wall = from this call to the end event seen by the poller)."""
-        if not tasks:
-            return
-        called = time.perf_counter()
+        wall = from the first ``from_slots`` call in it to the end event seen by the poller)."""
+        issuing = time.perf_counter()
         stream = self._load_stream
         try:
             markers = {id(t.after): t.after for t in tasks if t.after is not None}
@@ -228,13 +251,14 @@ class CudaCopier(TorchCopier):
                 event.record(stream)
         except Exception:  # noqa: BLE001
             log.exception("pykv: host-to-device copy failed")
-            for task in tasks:
+            for task, done in zip(tasks, dones):
                 done(task, False)
             return
         self.stats["h2d_batches"] += 1
         self.stats["h2d_entries"] += len(keep[0]) if keep else sum(len(t.gpu_ids) for t in tasks)
-        self.stats["h2d_issue_us"] += int((time.perf_counter() - called) * 1e6)
-        self._pending.put((list(tasks), event, done, keep, (began, called)))
+        self.stats["h2d_issue_us"] += int((time.perf_counter() - issuing) * 1e6)
+        self.stats["h2d_queued_us"] += int((issuing - called) * 1e6)
+        self._pending.put((tasks, dones, event, keep, (began, called)))
 
     def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
         """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.
@@ -259,15 +283,17 @@ class CudaCopier(TorchCopier):
             item = self._pending.get()
             if item is None:
                 return
-            tasks, event, done, _keep, timing = item
+            tasks, dones, event, _keep, timing = item
             event.synchronize()  # blocks this thread only; releases the GIL
             if timing is not None:
                 began, called = timing
                 self.stats["h2d_gpu_us"] += int(began.elapsed_time(event) * 1e3)
                 self.stats["h2d_wall_us"] += int((time.perf_counter() - called) * 1e6)
-            for task in tasks:
+            for task, done in zip(tasks, dones):
                 done(task, True)
 
     def close(self) -> None:
+        self._loads.put(None)
+        self._issuer.join(timeout=10)
         self._pending.put(None)
         self._thread.join(timeout=10)

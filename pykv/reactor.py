@@ -218,7 +218,10 @@ class Reactor(LoadSteps, StoreSteps):
                 self.stats["preload_slots_high"] = speculative
 
     def _perform(self, actions: list) -> None:
+        """Carry out one policy step: disk requests go to the backend before deliveries are handed
+        to the sink (whose copies can take a while to issue), so the devices are never kept waiting."""
         requests: list[IoRequest] = []
+        deliveries: list[Deliver] = []
         for action in actions:
             if isinstance(action, Open):
                 requests.append(self._open_request(action.transfer, self._transfers[action.transfer]))
@@ -235,11 +238,13 @@ class Reactor(LoadSteps, StoreSteps):
                 if request is not None:
                     requests.append(request)
             elif isinstance(action, Deliver):
-                self._deliver(action)
+                deliveries.append(action)
             elif isinstance(action, Finish):
                 self._on_finish(action)
         if requests:
             self.backend.submit(requests)
+        for action in deliveries:
+            self._deliver(action)
 
     def _complete(self, completion: IoCompletion) -> None:
         op, tid, *part = completion.token

@@ -1,0 +1,156 @@
+"""CudaCopier's load thread on CPU tensors, CUDA's stream and event calls stood in by fakes.
+
+``from_slots`` only queues; the load thread issues what is queued as one batch, and every task's
+``done`` is called exactly once, with the bytes in place when it says ok.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from pykv.connector import copier as copier_module  # noqa: E402
+from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier  # noqa: E402
+from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
+
+BPC = 4
+NUM_BLOCKS = 32
+LAYOUT = BlockLayout(BPC, 64, ((RefPage(0, 64), RefPage(1, 40)),))
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return 0.5
+
+
+class FakeStream:
+    def __init__(self, device=None) -> None:
+        self.device = device
+
+    def wait_event(self, event) -> None:
+        return
+
+    def wait_stream(self, stream) -> None:
+        return
+
+
+class FakeCuda:
+    """The torch.cuda names CudaCopier calls."""
+
+    Event = FakeEvent
+    Stream = FakeStream
+
+    def __init__(self) -> None:
+        self.devices_set: list = []
+
+    def current_stream(self, device=None) -> FakeStream:
+        return FakeStream(device)
+
+    def set_device(self, device) -> None:
+        self.devices_set.append(device)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream):
+        yield
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCuda()
+    monkeypatch.setattr(copier_module.torch, "cuda", fake)
+    return fake
+
+
+def _kv() -> list[torch.Tensor]:
+    return [torch.zeros(NUM_BLOCKS, 64, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 48, dtype=torch.int8)]
+
+
+def _tasks(count: int) -> list[CopyTask]:
+    size = (64 + 40) * BPC
+    g = torch.Generator().manual_seed(3)
+    return [CopyTask(torch.randint(-128, 127, (size,), dtype=torch.int8, generator=g), 0,
+                     np.arange(i * BPC, (i + 1) * BPC, dtype=np.int64), 0) for i in range(count)]
+
+
+def _memmove_op(src, dst, sizes, *, is_src_access_order_any: bool) -> None:
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        ctypes.memmove(int(d), int(s), int(n))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_queued_batches_go_out_and_each_task_ends_once(fake_cuda, batched):
+    tensors, expected = _kv(), _kv()
+    tasks = _tasks(NUM_BLOCKS // BPC)
+    TorchCopier(expected, LAYOUT).from_slots(tasks, lambda t, ok: None)
+    copier = CudaCopier(tensors, LAYOUT, streams=2, batched=False)
+    if batched:
+        copier._batch_op = _memmove_op
+    ended: list[tuple[int, bool]] = []
+    all_done = threading.Event()
+
+    def done(task: CopyTask, ok: bool) -> None:
+        ended.append((id(task), ok))
+        if len(ended) == len(tasks):
+            all_done.set()
+
+    try:
+        for i in range(0, len(tasks), 3):  # three from_slots calls, as the reactor's deliveries come
+            copier.from_slots(tasks[i:i + 3], done)
+        assert all_done.wait(10)
+    finally:
+        copier.close()
+    assert sorted(ended) == sorted((id(t), True) for t in tasks)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    assert 1 <= copier.stats["h2d_batches"] <= 3
+    assert fake_cuda.devices_set == [tensors[0].device]
+
+
+def test_a_failed_issue_fails_every_task_of_the_batch(fake_cuda):
+    copier = CudaCopier(_kv(), LAYOUT, streams=1, batched=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuMemcpyBatchAsync failed")
+
+    copier._batch_op = broken
+    tasks = _tasks(2)
+    ended: list[bool] = []
+    all_done = threading.Event()
+
+    def done(task: CopyTask, ok: bool) -> None:
+        ended.append(ok)
+        if len(ended) == len(tasks):
+            all_done.set()
+
+    try:
+        copier.from_slots(tasks, done)
+        assert all_done.wait(10)
+    finally:
+        copier.close()
+    assert ended == [False, False]
+
+
+def test_close_issues_what_was_queued(fake_cuda):
+    tensors = _kv()
+    copier = CudaCopier(tensors, LAYOUT, streams=1, batched=False)
+    tasks = _tasks(4)
+    ended: list[bool] = []
+    copier.from_slots(tasks, lambda task, ok: ended.append(ok))
+    copier.close()
+    assert ended == [True] * 4
