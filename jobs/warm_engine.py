@@ -59,12 +59,12 @@ def warm(llm: Any, prompts: Sequence[WarmPrompt], *, dry_run: bool = False, batc
     ring = load_key_ring(manager.pykv.auth_key_file) if manager.pykv.auth_key_file else None
 
     def on_disk(key: bytes) -> bool:
-        return devices is not None and devices.tree_of(key).contains(manager.namespace.id, key)
+        return devices is not None and devices.holder(manager.namespace.id, key) is not None
 
     def present(key: bytes) -> bool:
         """On disk (with a key file: signed with one of its key ids; other blocks are replaced)."""
-        return on_disk(key) and (ring is None or signed_with(
-            devices.tree_of(key).block_path(manager.namespace.id, key), ring))
+        tree = None if devices is None else devices.holder(manager.namespace.id, key)
+        return tree is not None and (ring is None or signed_with(tree.block_path(manager.namespace.id, key), ring))
     seen: set[bytes] = set()
     to_store: set[bytes] = set()
     runs: list[dict[str, Any]] = []

@@ -1,11 +1,16 @@
 """Several trees, one per device, that hold one cache: each block lives on exactly one of them.
 
-A block's device is chosen from its key by rendezvous (highest-random-weight) hashing:
+A block's devices are chosen from its key by rendezvous (highest-random-weight) hashing:
 each device scores the key with xxh3-64 seeded by the device's tree identity
-(``KVTree.identity``, kept in its marker) and the highest score wins. No index: every
-process with the same set computes the same place. Adding a device moves only the keys
-it now wins (about 1/N of them); removing one moves only its own. The set is named by
-the identities, so the order of ``roots`` and the mount paths do not matter.
+(``KVTree.identity``, kept in its marker); the two highest scores are the key's
+*candidates* (``candidates``). A store puts the block on one of the two, whichever holds
+fewer of that store's blocks (``StripedMedium.place``: two choices keep a request's blocks
+even over the devices, where the top score alone leaves the busiest device of an 80k
+load with ~1.25x the mean); a lookup checks the two. No index: every process with the
+same set computes the same candidates. Adding a device changes the candidates of the keys
+it now scores in the top two; removing one, those of its own keys; a block whose device
+dropped out of its candidates is a miss (about 1/N of them either way). The set is named
+by the identities, so the order of ``roots`` and the mount paths do not matter.
 
 A set is refused (``InputError`` naming ``roots[i]``) when a root is missing or not a
 directory (a device that is not mounted is never replaced by an empty directory on
@@ -32,18 +37,23 @@ ROOTS_KEY = "kv_connector_extra_config.roots"
 MAX_DEVICES = 64
 
 
+CHOICES = 2
+"""Candidate devices of a key: a store takes the one with fewer of its blocks, a lookup checks both."""
+
+
 def rendezvous_index(key: bytes, seeds: Sequence[int]) -> int:
     """The index of the seed that scores ``key`` highest (the first on a tie)."""
-    best, best_score = 0, -1
-    for index, seed in enumerate(seeds):
-        score = xxhash.xxh3_64_intdigest(key, seed)
-        if score > best_score:
-            best, best_score = index, score
-    return best
+    return rendezvous_top(key, seeds, 1)[0]
+
+
+def rendezvous_top(key: bytes, seeds: Sequence[int], count: int) -> tuple[int, ...]:
+    """The indices of the ``count`` seeds that score ``key`` highest, highest first (the first on a tie)."""
+    scores = [(-xxhash.xxh3_64_intdigest(key, seed), index) for index, seed in enumerate(seeds)]
+    return tuple(index for _, index in sorted(scores)[:count])
 
 
 class DeviceSet:
-    """Trees on several devices as one cache; ``index_of(key)`` says which holds a block."""
+    """Trees on several devices as one cache; ``candidates(key)`` says which may hold a block."""
 
     def __init__(self, trees: Sequence[KVTree], *, field: str = ROOTS_KEY) -> None:
         if not trees:
@@ -86,11 +96,24 @@ class DeviceSet:
         return devices
 
     def index_of(self, key: bytes) -> int:
-        """The device that holds block ``key`` (the same in every namespace)."""
+        """The first of ``key``'s candidates (the device scoring it highest)."""
         return 0 if len(self.seeds) == 1 else rendezvous_index(key, self.seeds)
 
+    def candidates(self, key: bytes) -> tuple[int, ...]:
+        """The devices that may hold block ``key`` (the same in every namespace), first choice first:
+        the two scoring it highest (one with a single device)."""
+        return (0,) if len(self.seeds) == 1 else rendezvous_top(key, self.seeds, CHOICES)
+
     def tree_of(self, key: bytes) -> KVTree:
+        """The tree of ``key``'s first candidate."""
         return self.trees[self.index_of(key)]
+
+    def holder(self, namespace_id: str, key: bytes) -> KVTree | None:
+        """The first of ``key``'s candidate trees that holds the block published (None: neither)."""
+        for index in self.candidates(key):
+            if self.trees[index].contains(namespace_id, key):
+                return self.trees[index]
+        return None
 
     def ensure_namespace(self, namespace: Namespace) -> None:
         """The namespace directory and record on every device (``OSError`` of the first that fails,

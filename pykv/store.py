@@ -200,9 +200,10 @@ class BlockStore:
         slots = [self._pool_slot(b.dram_slot) for b in blocks]
         with self._lock:
             part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
+        locations = self.medium.place(self.namespace.id, [b.key for b in blocks])
         self.reactor.submit_store(part.id, [
-            StoreBlock(self.medium.locate(self.namespace.id, b.key), self.namespace.fingerprint, b.key,
-                       b.geometry, **({"slot": s} if s is not None else {})) for b, s in zip(blocks, slots)])
+            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, **({"slot": s} if s is not None else {}))
+            for path, b, s in zip(locations, blocks, slots)])
         return True
 
     def submit_preloads(self, owner: Hashable, keys: Sequence[bytes]) -> None:

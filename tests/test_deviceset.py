@@ -187,7 +187,7 @@ def test_auto_verify_threads_follow_the_devices_within_the_cores(monkeypatch):
             PykvConfig.from_extra_config({"root": "/a", "verify_threads": bad})
 
 
-def test_a_store_striped_over_three_roots_puts_each_block_on_its_device_and_loads_it(tmp_path):
+def test_a_store_striped_over_three_roots_puts_each_block_on_one_candidate_and_loads_it(tmp_path):
     roots = [str(r) for r in make_roots(tmp_path, 3)]
     config = PykvConfig.from_extra_config({"roots": roots, "io_engine": "threadpool", "io_depth": 2})
     client = Client()
@@ -196,11 +196,12 @@ def test_a_store_striped_over_three_roots_puts_each_block_on_its_device_and_load
     try:
         assert submit(s, client, "store", keys, load=False)
         assert not client.wait("store").failures
+        homes = []
         for key in keys:
-            home = s.devices.index_of(key)
-            for index, tree in enumerate(s.devices):
-                assert os.path.exists(tree.block_path(NS.id, key)) == (index == home)
-        assert {s.devices.index_of(k) for k in keys} == {0, 1, 2}
+            held = [i for i, tree in enumerate(s.devices) if os.path.exists(tree.block_path(NS.id, key))]
+            assert len(held) == 1 and held[0] in s.devices.candidates(key)
+            homes.append(held[0])
+        assert all(1 <= homes.count(i) <= 12 for i in range(3)), homes  # 8 each, give or take
         for tree in s.devices:  # the namespace record on every device
             assert (tree.namespace_dir(NS.id) / "namespace.json").is_file()
         submit(s, client, "load", keys, load=True)

@@ -26,13 +26,13 @@ def make_set(tmp_path, count=3):
 
 
 def placed(devices, count, start=0, **ages):
-    """``count`` blocks, each on the device the set places it on; their paths, in key order."""
+    """``count`` blocks, each on its first-choice device; their paths, in key order."""
     return [add_block(devices.tree_of(key(i)), key(i), **ages) for i in range(start, start + count)]
 
 
 def off_placement(devices, i):
-    """Block ``key(i)`` written on a device the set does not place it on."""
-    wrong = (devices.index_of(key(i)) + 1) % len(devices)
+    """Block ``key(i)`` written on a device the set does not look on (neither of its candidates)."""
+    wrong = next(d for d in range(len(devices)) if d not in devices.candidates(key(i)))
     return add_block(devices[wrong], key(i)), wrong
 
 
@@ -58,8 +58,9 @@ def test_block_key_is_read_from_the_name(tmp_path):
     devices = make_set(tmp_path)
     path = add_block(devices[0], key(7))
     assert block_key(str(path)) == key(7) and block_key("/x/zz.kv") is None and block_key("/x/ab.tmp") is None
-    assert reachable(devices, devices.index_of(key(7)), str(path))
-    assert not reachable(devices, (devices.index_of(key(7)) + 1) % 3, str(path))
+    first, second = devices.candidates(key(7))
+    assert reachable(devices, first, str(path)) and reachable(devices, second, str(path))
+    assert not reachable(devices, ({0, 1, 2} - {first, second}).pop(), str(path))
     assert reachable(DeviceSet([devices[0]]), 0, str(path))  # one device reaches everything
 
 

@@ -38,7 +38,7 @@ counted by class (``FsckReport.auth``: ``signed``, ``unsigned``, ``foreign-key``
 the file does not hold is not damage (an engine with the key refuses it as a miss).
 
 Over a device set (``fsck_devices``) each device is checked as a tree of its own and
-reported on its own; a sound block on a device other than the one the set's placement
+reported on its own; a sound block on a device other than the two the set's placement
 picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it
 is counted per device, never a problem, and never moved or deleted.
 """

@@ -1,9 +1,9 @@
 """Where blocks sit in a device set, and which of them an engine with that set can reach.
 
-An engine over a ``DeviceSet`` looks a block up only on the device ``DeviceSet.index_of``
-picks for its key. A block on any other device is *unreachable* for that set: it was
-stored before a device was added or removed (rendezvous hashing moved its key), or the
-set given here is only part of the one the engines use. Reports count such blocks per
+An engine over a ``DeviceSet`` looks a block up only on the two devices
+``DeviceSet.candidates`` picks for its key. A block on any other device is *unreachable*
+for that set: it was stored before a device was added or removed (rendezvous hashing
+changed its candidates), or the set given here is only part of the one the engines use. Reports count such blocks per
 device; nothing deletes a block on that ground (the set given may be incomplete), and
 gc treats them as any other block: no engine of the set reads them, so their access
 times stop advancing and least-recently-accessed order reaches them early by itself.
@@ -40,7 +40,7 @@ def reachable(devices: DeviceSet, index: int, path: str) -> bool:
     if len(devices) == 1:
         return True
     key = block_key(path)
-    return key is not None and devices.index_of(key) == index
+    return key is not None and index in devices.candidates(key)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,12 @@ class Medium(abc.ABC):
 
     @abc.abstractmethod
     def locate(self, namespace_id: str, key: bytes) -> Path:
-        """The location of block ``key`` of namespace ``namespace_id`` (nothing is created)."""
+        """The location of block ``key`` of namespace ``namespace_id``: where it is, or where a lookup
+        looks first when it is nowhere (nothing is created)."""
+
+    def place(self, namespace_id: str, keys: Sequence[bytes]) -> list[Path]:
+        """Where one store writes each of ``keys`` (in order): a block already there keeps its location."""
+        return [self.locate(namespace_id, key) for key in keys]
 
     @abc.abstractmethod
     def contains(self, namespace_id: str, key: bytes) -> bool:
