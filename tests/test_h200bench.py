@@ -384,3 +384,11 @@ def test_the_stripe_stages_take_io_engine_into_the_config(tmp_path, io_engine, p
     runner.a.io_engine, runner.a.pykv_set = io_engine, pykv_set
     ktc = interfaces.library_ktc(["/d0/t"], interfaces.set_items(runner))
     assert ktc["kv_connector_extra_config"]["io_engine"] == expected
+
+
+def test_s5_runs_the_query_variants_asked_for_and_refuses_unknown_ones():
+    from h200bench.verify_stage import QUERIES, chosen_queries
+    assert chosen_queries("") == QUERIES
+    assert chosen_queries("header, defaults") == [QUERIES[0], QUERIES[3]]  # in QUERIES' order
+    with pytest.raises(SystemExit, match="unknown variant.*bogus"):
+        chosen_queries("defaults,bogus")

@@ -99,6 +99,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="stages S1-S3: each device's sparse image, GiB (default: the documents' tree and 15 %%)")
     p.add_argument("--stripe-queries", type=int, default=2,
                    help="stage S1: disk-hit queries per document in each pykv query engine (DRAM tier 0)")
+    p.add_argument("--s5-queries", default="",
+                   help="stage S5: the query variants to run, comma separated (default: all of "
+                        "verify_stage.QUERIES: defaults,vt4,threadpool,header)")
     p.add_argument("--stripe-cleanup", action="store_true",
                    help="stages S1-S3: tear the devices down at the end (default: kept for the next command)")
     p.add_argument("--fs-threads", default="4,16,64",

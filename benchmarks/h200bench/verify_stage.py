@@ -25,9 +25,21 @@ def stage_s5(runner) -> None:
         striping.clear(runner, mnts)
         reactor_pass(runner, mnts)
         striping.clear(runner, mnts)
-        striping.pykv_disk_hits(runner, mnts, queries=QUERIES)
+        striping.pykv_disk_hits(runner, mnts, queries=chosen_queries(runner.a.s5_queries))
     finally:
         striping.finish(runner, mnts)
+
+
+def chosen_queries(names: str) -> list[tuple[str, dict]]:
+    """The variants of ``QUERIES`` named in ``names`` (comma separated; empty: all), in its order."""
+    if not names:
+        return QUERIES
+    wanted = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = wanted - {name for name, _ in QUERIES}
+    if unknown:
+        raise SystemExit(f"--s5-queries: unknown variant(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(name for name, _ in QUERIES)}")
+    return [(name, keys) for name, keys in QUERIES if name in wanted]
 
 
 def reactor_pass(runner, mnts: list[str]) -> None:
