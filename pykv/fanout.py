@@ -10,8 +10,11 @@ devices serve the metadata reads in parallel. Short lists run inline: threads wo
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
+
+log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -34,17 +37,26 @@ class FanOut:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._inline_noted = False
 
     def map(self, call: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
         """``[call(item) for item in items]``, run on the threads when there are more than
-        ``INLINE_MAX`` items; an exception of ``call`` propagates, as inline."""
+        ``INLINE_MAX`` items; an exception of ``call`` propagates, as inline. Where no thread can
+        be started (the process's thread limit, an interpreter shutting down) the calls run inline."""
         if len(items) <= INLINE_MAX or self.threads == 1:
             return [call(item) for item in items]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
         share = self.threads
         parts = [items[i::share] for i in range(share)]  # interleaved: each thread gets every device
-        done = list(self._pool.map(lambda part: [call(item) for item in part], parts))
+        try:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
+            futures = [self._pool.submit(lambda part=part: [call(item) for item in part]) for part in parts]
+        except RuntimeError as exc:  # "can't start new thread", "cannot schedule new futures after shutdown"
+            if not self._inline_noted:
+                log.warning("pykv: lookups run one after another: no lookup thread could be started (%s)", exc)
+                self._inline_noted = True
+            return [call(item) for item in items]
+        done = [future.result() for future in futures]
         results: list = [None] * len(items)
         for i, part in enumerate(done):
             results[i::share] = part

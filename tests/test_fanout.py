@@ -57,3 +57,27 @@ def test_thread_counts():
     with pytest.raises(ValueError):
         FanOut(0)
     assert FanOut(1).map(lambda i: i + 1, list(range(20))) == list(range(1, 21))
+
+
+def test_no_thread_to_be_had_runs_the_calls_inline_with_one_warning(monkeypatch, caplog):
+    import concurrent.futures
+    import logging
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", refuse)
+    fan = FanOut(4)
+    caller = threading.current_thread()
+    ran_on = set()
+
+    def call(item):
+        ran_on.add(threading.current_thread())
+        return item * 2
+
+    with caplog.at_level(logging.WARNING, logger="pykv.fanout"):
+        assert fan.map(call, list(range(40))) == [i * 2 for i in range(40)]
+        assert fan.map(call, list(range(20))) == [i * 2 for i in range(20)]
+    assert ran_on == {caller}
+    assert sum("no lookup thread could be started" in r.getMessage() for r in caplog.records) == 1
+    fan.close()
