@@ -63,7 +63,7 @@ def run(runner) -> None:
     else:
         base = os.path.join(runner.disk_dir, "cal")
     calibration_run = CalibrationRun(
-        model=model, root=Path(base), lengths=lengths, tiers=a.cal_tiers.split(","), repeat=a.cal_repeat,
+        model=model, root=Path(base), lengths=lengths, tiers=a.cal_tiers.split(","), repeat=a.cal_repeat or 2,
         block_tokens=CHUNK, settings=runner.pykv_settings(), engine_args=engine_args(runner),
         bandwidth_bytes=(64 << 20) if runner.smoke else 2 * GIB, check_gate=not a.no_cal_gate,
         dram_bytes=(64 << 20) if runner.smoke else None)

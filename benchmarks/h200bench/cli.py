@@ -92,7 +92,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cal-medium", default="loop", choices=["loop", "virtio"], help="stage K: medium")
     p.add_argument("--cal-lengths", default="1024,2048,4096,8192,16384,32768,65536,81920", help="stage K: lengths")
     p.add_argument("--cal-tiers", default="disk,dram", help="stage K: tiers")
-    p.add_argument("--cal-repeat", type=int, default=2, help="stage K: runs per length and path")
+    p.add_argument("--cal-repeat", type=int, default=None,
+                   help="stages K and S3: runs per length and path (default: 2 for K, 3 for S3, whose medians "
+                        "then shrug off an engine's slow first sample at a length)")
     p.add_argument("--no-cal-gate", action="store_true", help="stage K: skip the gated sweep")
     p.add_argument("--stripe-devices", type=int, default=8, help="stages S1-S3: loop devices in the set")
     p.add_argument("--stripe-image-gib", type=float,
