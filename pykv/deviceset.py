@@ -5,8 +5,7 @@ each device scores the key with xxh3-64 seeded by the device's tree identity
 (``KVTree.identity``, kept in its marker); the two highest scores are the key's
 *candidates* (``candidates``). A store puts the block on one of the two, whichever holds
 fewer of that store's blocks (``StripedMedium.place``: two choices keep a request's blocks
-even over the devices, where the top score alone leaves the busiest device of an 80k
-load with ~1.25x the mean); a lookup checks the two. No index: every process with the
+even over the devices); a lookup checks the two. No index: every process with the
 same set computes the same candidates. Adding a device changes the candidates of the keys
 it now scores in the top two; removing one, those of its own keys; a block whose device
 dropped out of its candidates is a miss (about 1/N of them either way). The set is named

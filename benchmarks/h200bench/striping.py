@@ -35,8 +35,8 @@ from h200bench.util import count_files, drop_caches, log, tree_bytes
 DEVICE_PREFIX = "stripe"
 TREES = ("pykv-stripe", "kvfs", "cal", "bw")
 S3_REPEAT = 3
-"""Stage S3's runs per length and path: run 14's gated sweep missed 5 % at 8k on one slow first sample
-of two (0.211 s against 0.125); a median of three sets such a sample aside for every path alike."""
+"""Stage S3's runs per length and path: a median of three sets an engine's slow first sample at a
+length aside, for every path alike (with two, one such sample moved a length's ratio past 5 %)."""
 """Directories the stages make on a device (``pykv-stripe{N}``, the native tier's, the calibration's,
 the probes'): the only ones they remove."""
 

@@ -6,13 +6,13 @@ puts each block of a store on the candidate holding fewer of that store's blocks
 other call goes to the device whose root holds the location. Each device is one *lane*:
 the reactor bounds the I/O in flight per lane, so a slow device does not starve the others.
 
-Why two choices: with the top rendezvous score alone, the 320 blocks of an 80k request
-land on 8 devices as a multinomial draw, and its load lasts as long as the busiest
-device's share, ~1.25x the mean (81 % of the set's bandwidth on average, 73 % at 32k,
-58 % at 8k); the less loaded of two candidates keeps it within a block or two of the
-mean (97 / 94 / 80 %). A block already on one of its candidates is stored there again
-(a store never leaves a second copy that a lookup would not see first); two engines
-storing one block at once may leave one copy on each candidate, both sound.
+Why two choices: with the top rendezvous score alone a request's blocks land on the
+devices as a random draw, and its load lasts as long as the busiest device's share; the
+less loaded of two candidates keeps every device within a block or two of the mean
+(figures: docs/benchmarks.md, run 14). A block already on one of its candidates is
+stored there again (a store never leaves a second copy that a lookup would not see
+first); two engines storing one block at once may leave one copy on each candidate,
+both sound.
 """
 
 from __future__ import annotations
