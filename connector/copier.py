@@ -16,10 +16,11 @@ then), possibly from another thread.
   without a device-wide sync, loads go out as one batch on a dedicated stream;
   each batch is one call of vLLM's batched copy op (``compat.batched_copy_op``,
   pointer lists from ``descriptors.copy_descriptors``) where the build has it,
-  torch copies otherwise. Load batches are issued on a thread of their own
-  (``from_slots`` only queues them, so the reactor goes back to its disk at
-  once; batches queued meanwhile go out as one), and completions are found by
-  polling CUDA events on another small thread. It needs the staging pool
+  torch copies otherwise. Copies are issued on a thread of the copier
+  (``to_slots`` and ``from_slots`` only queue them, so the reactor goes back
+  to its disks at once; load batches queued meanwhile go out as one, before
+  the stores queued with them), and completions are found by polling CUDA
+  events on another small thread. It needs the staging pool
   page-locked (``StagingPool(register=cuda_host_register)``).
 """
 
@@ -176,9 +177,9 @@ class CudaCopier(TorchCopier):
         self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
         self._next_stream = 0
         self._load_stream = torch.cuda.Stream(device=self.device)
-        self._loads: queue.Queue = queue.Queue()  # (tasks, done, called) batches not yet issued
+        self._queued: queue.Queue = queue.Queue()  # (to_slot, tasks, done, called) not yet issued
         self._pending: queue.Queue = queue.Queue()  # (tasks, dones, event, keep, timing) issued
-        self._issuer = threading.Thread(target=self._issue_loads, name="pykv-cuda-loads", daemon=True)
+        self._issuer = threading.Thread(target=self._issue_queued, name="pykv-cuda-copies", daemon=True)
         self._issuer.start()
         self._thread = threading.Thread(target=self._poll, name="pykv-cuda-events", daemon=True)
         self._thread.start()
@@ -186,12 +187,44 @@ class CudaCopier(TorchCopier):
     def mark_submitted(self) -> object:
         """An event on the engine thread's current stream (vLLM's compute stream, which wrote the KV a
         store reads); the store copy waits on it. Recorded here because the copy is issued later from
-        the reactor thread, whose current stream is not vLLM's."""
+        the copier's thread, whose current stream is not vLLM's."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        """Queue these stores' copies for the copier's thread (``_issue_queued``); returns at once."""
+        if tasks:
+            self._queued.put((True, list(tasks), done, time.perf_counter()))
+
+    def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        """Queue one load batch for the copier's thread (``_issue_queued``); returns at once."""
+        if tasks:
+            self._queued.put((False, list(tasks), done, time.perf_counter()))
+
+    def _issue_queued(self) -> None:
+        """The copier's thread: what is queued goes out, the loads as one batch on the load stream
+        first, then each store on a store stream."""
+        torch.cuda.set_device(self.device)
+        while True:
+            items = [self._queued.get()]
+            while not self._queued.empty():
+                items.append(self._queued.get_nowait())
+            stop = any(item is None for item in items)
+            items = [item for item in items if item is not None]
+            loads = [item for item in items if not item[0]]
+            if loads:
+                tasks = [t for _, batch, _, _ in loads for t in batch]
+                dones = [done for _, batch, done, _ in loads for _ in batch]
+                self._issue_load_batch(tasks, dones, min(called for *_, called in loads))
+            for to_slot, tasks, done, _ in items:
+                if to_slot:
+                    self._issue_stores(tasks, done)
+            if stop:
+                return
+
+    def _issue_stores(self, tasks: Sequence[CopyTask], done: Done) -> None:
+        """Each store's copy on the next store stream, after the device work that wrote its KV."""
         for task in tasks:
             stream = self._store_streams[self._next_stream]
             self._next_stream = (self._next_stream + 1) % len(self._store_streams)
@@ -209,27 +242,6 @@ class CudaCopier(TorchCopier):
                 done(task, False)
                 continue
             self._pending.put(([task], [done], event, keep, None))
-
-    def from_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
-        """Queue one batch for the load thread (``_issue_loads``); returns at once."""
-        if tasks:
-            self._loads.put((list(tasks), done, time.perf_counter()))
-
-    def _issue_loads(self) -> None:
-        """The load thread: every batch queued so far goes out as one on the load stream."""
-        torch.cuda.set_device(self.device)
-        while True:
-            batches = [self._loads.get()]
-            while not self._loads.empty():
-                batches.append(self._loads.get_nowait())
-            stop = any(b is None for b in batches)
-            batches = [b for b in batches if b is not None]
-            if batches:
-                tasks = [t for b in batches for t in b[0]]
-                dones = [b[1] for b in batches for _ in b[0]]
-                self._issue_load_batch(tasks, dones, min(b[2] for b in batches))
-            if stop:
-                return
 
     def _issue_load_batch(self, tasks: list[CopyTask], dones: list[Done], called: float) -> None:
         """One batch on the load stream; ``stats`` get its host time, device time and wall time
@@ -293,7 +305,7 @@ class CudaCopier(TorchCopier):
                 done(task, True)
 
     def close(self) -> None:
-        self._loads.put(None)
+        self._queued.put(None)
         self._issuer.join(timeout=10)
         self._pending.put(None)
         self._thread.join(timeout=10)

@@ -1,7 +1,8 @@
-"""CudaCopier's load thread on CPU tensors, CUDA's stream and event calls stood in by fakes.
+"""CudaCopier's copy thread on CPU tensors, CUDA's stream and event calls stood in by fakes.
 
-``from_slots`` only queues; the load thread issues what is queued as one batch, and every task's
-``done`` is called exactly once, with the bytes in place when it says ok.
+``from_slots`` and ``to_slots`` only queue; the copier's thread issues what is queued (the loads
+as one batch), and every task's ``done`` is called exactly once, with the bytes in place when it
+says ok.
 """
 
 from __future__ import annotations
@@ -154,3 +155,38 @@ def test_close_issues_what_was_queued(fake_cuda):
     copier.from_slots(tasks, lambda task, ok: ended.append(ok))
     copier.close()
     assert ended == [True] * 4
+
+
+def test_stores_queued_beside_loads_copy_the_kv_into_their_slots(fake_cuda):
+    tensors = _kv()
+    generator = torch.Generator().manual_seed(5)
+    for t in tensors:
+        t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8, generator=generator))
+    loads, stores = _tasks(2), _tasks(6)[2:]  # loads into blocks 0-7, stores read blocks 8-23
+    for task in stores:
+        task.payload.zero_()
+    expected = [torch.empty_like(t.payload) for t in stores]
+    reference = TorchCopier([t.clone() for t in tensors], LAYOUT)
+    for task, out in zip(stores, expected):
+        reference.to_slots([CopyTask(out, task.group, task.gpu_ids, task.skip)], lambda t, ok: None)
+    copier = CudaCopier(tensors, LAYOUT, streams=3, batched=False)
+    ended: list[tuple[str, bool]] = []
+    all_done = threading.Event()
+
+    def done_as(kind):
+        def done(task: CopyTask, ok: bool) -> None:
+            ended.append((kind, ok))
+            if len(ended) == len(loads) + len(stores):
+                all_done.set()
+        return done
+
+    try:
+        copier.to_slots(stores[:2], done_as("store"))
+        copier.from_slots(loads, done_as("load"))
+        copier.to_slots(stores[2:], done_as("store"))
+        assert all_done.wait(10)
+    finally:
+        copier.close()
+    assert sorted(ended) == [("load", True)] * 2 + [("store", True)] * 4
+    assert all(torch.equal(task.payload, out) for task, out in zip(stores, expected))
+    assert fake_cuda.devices_set == [tensors[0].device]
