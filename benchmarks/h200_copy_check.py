@@ -34,8 +34,9 @@ LAYER_PAGE = 65_536  # one GPU block of one layer (K and V): vLLM 0.26 with FLAS
 BPC = 16
 
 
-def load_all(copier: CudaCopier, tasks: list[CopyTask], batch: int) -> float:
-    """Seconds to move every task (``batch`` tasks per ``from_slots`` call, as the reactor hands them)."""
+def load_all(copier: CudaCopier, tasks: list[CopyTask], batch: int, *, store: bool = False) -> float:
+    """Seconds to move every task (``batch`` tasks per ``from_slots`` call, as the reactor hands them;
+    ``store``: ``to_slots``, device to slots)."""
     done = threading.Semaphore(0)
     failed: list[CopyTask] = []
 
@@ -47,8 +48,9 @@ def load_all(copier: CudaCopier, tasks: list[CopyTask], batch: int) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     began = time.perf_counter()
+    move = copier.to_slots if store else copier.from_slots
     for i in range(0, len(tasks), batch):
-        copier.from_slots(tasks[i:i + batch], finished)
+        move(tasks[i:i + batch], finished)
     for _ in tasks:
         done.acquire()
     seconds = time.perf_counter() - began
@@ -119,6 +121,7 @@ def main() -> int:
                 rows = [kv[c * BPC:(c + 1) * BPC, :ref.page_bytes] for kv, ref in zip(tensors, layout.groups[0])]
                 pages = [(r.flip(0) if step < 0 else r).reshape(-1) for r in rows]
                 bad += int(not torch.equal(torch.cat(pages).cpu(), slots[i % a.chunks]))
+            stored, store_bad, store_rate = store_back(copier, tasks[:a.chunks], slots, a.batch)
             copier.close()
             rate = moved / seconds / 1e9
             print(f"{shape:12s} {kind:13s} {rate:6.1f} GB/s  ({moved / 1e9:.1f} GB, {len(tasks)} storage blocks, "
@@ -126,10 +129,28 @@ def main() -> int:
             out.write(json.dumps({"what": "copier_load", "shape": shape, "copy": kind, "gb_per_s": round(rate, 2),
                                   "bytes": moved, "blocks": len(tasks), "wrong_blocks": bad,
                                   "vllm": compat.VLLM_VERSION}) + "\n")
-            if bad:
+            print(f"{'':12s} {'stores':13s} {store_rate:6.1f} GB/s  ({stored} storage blocks back to their slots, "
+                  f"{store_bad} wrong)")
+            out.write(json.dumps({"what": "copier_store", "shape": shape, "copy": kind,
+                                  "gb_per_s": round(store_rate, 2), "blocks": stored, "wrong_blocks": store_bad,
+                                  "vllm": compat.VLLM_VERSION}) + "\n")
+            if bad or store_bad:
                 return 1
     pool.close()
     return 0
+
+
+def store_back(copier, tasks: list[CopyTask], slots: list[torch.Tensor], batch: int) -> tuple[int, int, float]:
+    """Copy the chunks the loads filled back into their (zeroed) slots: (blocks, wrong ones, GB/s).
+    ``tasks[i]`` loaded slot ``i``, so slot ``i`` must come back as it was."""
+    expected = [slots[i].clone() for i in range(len(tasks))]
+    for i in range(len(tasks)):
+        slots[i].zero_()
+    seconds = load_all(copier, tasks, batch, store=True)
+    wrong = sum(int(not torch.equal(slots[i], expected[i])) for i in range(len(tasks)))
+    for i in range(len(tasks)):
+        slots[i].copy_(expected[i])
+    return len(tasks), wrong, len(tasks) * slots[0].numel() / seconds / 1e9
 
 
 if __name__ == "__main__":
