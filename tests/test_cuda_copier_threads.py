@@ -190,3 +190,19 @@ def test_stores_queued_beside_loads_copy_the_kv_into_their_slots(fake_cuda):
     assert sorted(ended) == [("load", True)] * 2 + [("store", True)] * 4
     assert all(torch.equal(task.payload, out) for task, out in zip(stores, expected))
     assert fake_cuda.devices_set == [tensors[0].device]
+
+
+def test_the_copy_check_script_checks_loads_and_stores(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_copy_check.py"
+    out = tmp_path / "copy_check.jsonl"
+    run = subprocess.run([sys.executable, str(script), "--chunks", "2", "--rounds", "1", "--batch", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    kinds = {r["what"] for r in records}
+    assert {"copier_load", "copier_store"} <= kinds
+    assert all(r["wrong_blocks"] == 0 for r in records if "wrong_blocks" in r)
