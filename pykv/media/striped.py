@@ -60,11 +60,12 @@ class StripedMedium(Medium):
 
     def locate(self, namespace_id: str, key: bytes) -> Path:
         """The first candidate holding the block (the first candidate when none does)."""
-        index = self._holder(namespace_id, key)
-        return self.media[self.devices.index_of(key) if index is None else index].locate(namespace_id, key)
+        choices = self.devices.candidates(key)
+        index = self._holder(namespace_id, key, choices)
+        return self.media[choices[0] if index is None else index].locate(namespace_id, key)
 
     def contains(self, namespace_id: str, key: bytes) -> bool:
-        return self._holder(namespace_id, key) is not None
+        return self._holder(namespace_id, key, self.devices.candidates(key)) is not None
 
     def place(self, namespace_id: str, keys: Sequence[bytes]) -> list[Path]:
         """Each block on its candidate holding it already, else on the candidate with fewer of these
@@ -72,16 +73,18 @@ class StripedMedium(Medium):
         in_store = [0] * len(self.media)
         locations = []
         for key in keys:
-            index = self._holder(namespace_id, key)
+            choices = self.devices.candidates(key)
+            index = self._holder(namespace_id, key, choices)
             if index is None:
-                index = min(self.devices.candidates(key), key=lambda i: (in_store[i], self._placed[i]))
+                index = min(choices, key=lambda i: (in_store[i], self._placed[i]))
                 self._placed[index] += 1
             in_store[index] += 1
             locations.append(self.media[index].locate(namespace_id, key))
         return locations
 
-    def _holder(self, namespace_id: str, key: bytes) -> int | None:
-        for index in self.devices.candidates(key):
+    def _holder(self, namespace_id: str, key: bytes, choices: tuple[int, ...]) -> int | None:
+        """The first of ``choices`` whose medium holds the block (None: none does)."""
+        for index in choices:
             if self.media[index].contains(namespace_id, key):
                 return index
         return None
