@@ -34,7 +34,7 @@ LAYER_PAGE = 65_536  # one GPU block of one layer (K and V): vLLM 0.26 with FLAS
 BPC = 16
 
 
-def load_all(copier: CudaCopier, tasks: list[CopyTask], batch: int, *, store: bool = False) -> float:
+def move_all(copier: CudaCopier, tasks: list[CopyTask], batch: int, *, store: bool = False) -> float:
     """Seconds to move every task (``batch`` tasks per ``from_slots`` call, as the reactor hands them;
     ``store``: ``to_slots``, device to slots)."""
     done = threading.Semaphore(0)
@@ -111,10 +111,10 @@ def main() -> int:
                      for i, c in enumerate(order)]
             for kv in tensors:
                 kv.zero_()
-            load_all(copier, tasks[:a.batch], a.batch)  # warm-up
+            move_all(copier, tasks[:a.batch], a.batch)  # warm-up
             for kv in tensors:
                 kv.zero_()
-            seconds = load_all(copier, tasks, a.batch)
+            seconds = move_all(copier, tasks, a.batch)
             moved = len(tasks) * slot_bytes
             bad = 0
             for i, c in enumerate(order):  # every byte where it belongs (payload: each ref's pages in turn)
@@ -146,7 +146,7 @@ def store_back(copier, tasks: list[CopyTask], slots: list[torch.Tensor], batch: 
     expected = [slots[i].clone() for i in range(len(tasks))]
     for i in range(len(tasks)):
         slots[i].zero_()
-    seconds = load_all(copier, tasks, batch, store=True)
+    seconds = move_all(copier, tasks, batch, store=True)
     wrong = sum(int(not torch.equal(slots[i], expected[i])) for i in range(len(tasks)))
     for i in range(len(tasks)):
         slots[i].copy_(expected[i])

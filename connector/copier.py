@@ -205,7 +205,10 @@ class CudaCopier(TorchCopier):
     def _issue_queued(self) -> None:
         """The copier's thread: what is queued goes out, the loads as one batch on the load stream
         first, then each store on a store stream."""
-        torch.cuda.set_device(self.device)
+        try:
+            torch.cuda.set_device(self.device)
+        except Exception:  # noqa: BLE001 - the copies then fail one by one and end their blocks: no hang
+            log.exception("pykv: the copier's thread could not select %s", self.device)
         while True:
             items = [self._queued.get()]
             while not self._queued.empty():

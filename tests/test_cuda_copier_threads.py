@@ -206,3 +206,29 @@ def test_the_copy_check_script_checks_loads_and_stores(tmp_path):
     kinds = {r["what"] for r in records}
     assert {"copier_load", "copier_store"} <= kinds
     assert all(r["wrong_blocks"] == 0 for r in records if "wrong_blocks" in r)
+
+
+def test_a_thread_that_cannot_select_the_device_still_ends_every_copy(fake_cuda, monkeypatch, caplog):
+    import logging
+
+    def refuse(device):
+        raise RuntimeError("invalid device ordinal")
+
+    monkeypatch.setattr(fake_cuda, "set_device", refuse)
+    copier = CudaCopier(_kv(), LAYOUT, streams=1, batched=False)
+    ended: list[bool] = []
+    all_done = threading.Event()
+
+    def done(task: CopyTask, ok: bool) -> None:
+        ended.append(ok)
+        if len(ended) == 3:
+            all_done.set()
+
+    with caplog.at_level(logging.ERROR, logger="pykv.connector.copier"):
+        try:
+            copier.from_slots(_tasks(3), done)
+            assert all_done.wait(10)
+        finally:
+            copier.close()
+    assert len(ended) == 3
+    assert any("could not select" in r.getMessage() for r in caplog.records)
