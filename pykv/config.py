@@ -46,20 +46,13 @@ def _staging(value: Any, key: str) -> int | None:
     return None if _is_auto(value) else _size(value, key)
 
 
-def _positive_int_or_auto(maximum: int) -> Callable[[Any, str], int | None]:
-    """A parser of ``auto`` (None) or integers in 1..``maximum``."""
-    def parse(value: Any, key: str) -> int | None:
-        if _is_auto(value):
-            return None
-        try:
-            return _positive_int(maximum)(value, key)
-        except InputError:
-            raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to {maximum}, "
-                             f"got {str(value)[:40]!r}") from None
-    return parse
-
-
-_threads_or_auto = _positive_int_or_auto(64)
+def _threads_or_auto(value: Any, key: str) -> int | None:
+    if _is_auto(value):
+        return None
+    try:
+        return _positive_int(64)(value, key)
+    except InputError:
+        raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to 64, got {str(value)[:40]!r}") from None
 
 
 def _roots(value: Any, key: str) -> tuple[str, ...]:
@@ -167,12 +160,6 @@ def root_keys(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
 
 IO_ENGINES = ("auto", "io_uring", "threadpool")
 """``io_engine``'s choices."""
-AUTO_IN_FLIGHT_BYTES = 64 << 20
-"""io_depth=auto: whole-block reads in flight per device enough for this many bytes, within
-``AUTO_DEPTH``. A device serves a few large reads at a time; more only interleave their pieces,
-so every block arrives late and together (docs/configuration.md, docs/benchmarks.md)."""
-AUTO_DEPTH = (4, 16)
-"""io_depth=auto's (least, most) reads in flight per device."""
 AUTO_MIN_VERIFY_THREADS = 4
 """verify_threads=auto's floor: enough for one device's reads at a few GB/s (xxh3 hashes several GB/s
 per thread); above it one thread per device while the host has the cores (docs/configuration.md)."""
@@ -200,9 +187,7 @@ class PykvConfig:
                                      "I/O). auto: two slots per read in flight on every device (2 x io_depth x "
                                      "devices) plus preload_max_bytes when preload is on, at most a quarter of "
                                      "the host's memory.", "size")
-    io_depth: int | None = _key(_positive_int_or_auto(4096), "auto", "Disk reads and writes in flight per worker and "
-                                "device. auto: enough storage blocks for 64 MiB, at least 4 and at most 16 (4 for "
-                                "blocks of 16 MiB and more).", "int")
+    io_depth: int = _key(_positive_int(4096), 16, "Disk reads and writes in flight per worker and device.", "int")
     open_ahead: int = _key(_positive_int(65536), 32, "Files opened ahead of their reads, per device.", "int")
     read_segment_bytes: int = _key(_segment, 0, "Split each block file's read into parallel reads of this "
                                    "size (multiple of 4 KiB); 0 reads a block in one request. Media that "
@@ -290,17 +275,9 @@ class PykvConfig:
         """Staging slots for disk I/O of blocks of ``slot_bytes`` (``staging_bytes``, or auto)."""
         if self.staging_bytes is not None:
             return self.staging_bytes // slot_bytes
-        depth = self.reads_in_flight(slot_bytes)
-        wanted = 2 * depth * len(self.root_paths) + (self.preload_max_bytes // slot_bytes if self.preload else 0)
+        wanted = 2 * self.io_depth * len(self.root_paths) + (self.preload_max_bytes // slot_bytes if self.preload else 0)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return max(depth + 1, min(wanted, memory // 4 // slot_bytes))
-
-    def reads_in_flight(self, slot_bytes: int) -> int:
-        """Reads and writes in flight per device for blocks of ``slot_bytes``: ``io_depth``, or auto."""
-        if self.io_depth is not None:
-            return self.io_depth
-        least, most = AUTO_DEPTH
-        return max(least, min(most, -(-AUTO_IN_FLIGHT_BYTES // slot_bytes)))
+        return max(self.io_depth + 1, min(wanted, memory // 4 // slot_bytes))
 
     def hashing_threads(self) -> int:
         """The verifier threads: ``verify_threads``, or auto (one per device up to half the cores, never under 4)."""
@@ -313,7 +290,7 @@ class PykvConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("staging_bytes", "io_depth", "verify_threads") and value is None:
+            if f.name in ("staging_bytes", "verify_threads") and value is None:
                 value = "auto"
             if value is None or value == () or (f.name == "root" and not value):
                 continue  # an unset optional key (breakeven_file), the unused one of root and roots

@@ -140,7 +140,7 @@ def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, 
     """The medium, the I/O backend and the reactor for ``config`` (with the key ring of
     ``auth_key_file``): the one place they are built (the store and ``pykv bench`` both call it). ``on_job_done=None``: results are kept for ``wait_for``."""
     medium = open_store_medium(devices, direct=devices_take_direct(devices))
-    reactor_config = ReactorConfig(config.reads_in_flight(pool.slot_bytes), config.open_ahead, config.verify,
+    reactor_config = ReactorConfig(config.io_depth, config.open_ahead, config.verify,
                                    max_speculative=config.preload_max_bytes // pool.slot_bytes,
                                    read_segment=config.read_segment_bytes, verify_threads=config.hashing_threads())
     backend = open_backend(io_engine_for(config.io_engine, medium),

@@ -161,7 +161,7 @@ def test_kv_bytes_per_token_from_config(tmp_path):
     (["--engine-arg", "model=x"], "--engine-arg model: set by the command"),
     (["--engine-arg", "novalue"], "--engine-arg: expected KEY=VALUE"),
     (["--set", "root=/x"], "--set root: not allowed here"),
-    (["--set", "io_depth=0"], "kv_connector_extra_config.io_depth: expected auto or an integer from 1 to 4096"),
+    (["--set", "io_depth=0"], "kv_connector_extra_config.io_depth: expected an integer from 1 to 4096"),
     (["--dram-bytes", "lots"], "--dram-bytes: cannot parse size"),
     (["--tiers", "dram", "--check-gate"], "--check-gate: needs the disk tier"),
     (["--set", "breakeven_file=/x"], "--set breakeven_file: not allowed here"),

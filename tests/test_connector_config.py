@@ -76,21 +76,5 @@ def test_integer_keys_are_bounded_and_refused_in_one_line(key, value):
     with pytest.raises(InputError) as info:
         PykvConfig.from_extra_config({"root": "/r", key: value})
     message = str(info.value)
-    auto = "auto or " if key == "io_depth" else ""
-    assert message.startswith(f"kv_connector_extra_config.{key}: expected {auto}an integer from 1 to ")
+    assert message.startswith(f"kv_connector_extra_config.{key}: expected an integer from 1 to ")
     assert "\n" not in message and len(message) < 200
-
-
-@pytest.mark.parametrize("slot_mib, depth", [(28, 4), (16, 4), (8, 8), (4, 16), (1, 16), (200, 4)])
-def test_io_depth_auto_keeps_about_64_mib_of_reads_in_flight(slot_mib, depth):
-    config = PykvConfig.from_extra_config({"root": "/r"})
-    assert config.io_depth is None and config.to_extra_config()["io_depth"] == "auto"
-    assert config.reads_in_flight(slot_mib << 20) == depth
-    assert PykvConfig.from_extra_config({"root": "/r", "io_depth": 16}).reads_in_flight(slot_mib << 20) == 16
-
-
-def test_auto_staging_follows_the_auto_depth():
-    roots = {"roots": ["/a", "/b", "/c", "/d"]}
-    slot = 28 << 20  # 2 x 16 x 4 slots stay under a quarter of any host this suite runs on
-    assert PykvConfig.from_extra_config(roots).transient_slots(slot) == 2 * 4 * 4
-    assert PykvConfig.from_extra_config({**roots, "io_depth": 16}).transient_slots(slot) == 2 * 16 * 4
