@@ -214,20 +214,22 @@ def test_the_dry_run_of_stage_s4_alternates_defaults_and_two_keyed_variants_on_o
         [(False, 0, "full")] * 2 + [(True, 0, "full")] * 2 + [(True, 1, "full")] * 2
 
 
-def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_hashing_variant(tmp_path):
+def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_load_variant(tmp_path):
     result = subprocess.run([sys.executable, str(BENCHMARKS / "h200_connector.py"), "stage", "S5", "--dry-run",
                              "--work", str(tmp_path / "work"), "--mount-base", str(tmp_path / "mnt"),
                              "--shm", str(tmp_path / "shm")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "verify=full with 4/8/12/16 hashing threads" in result.stdout
+    assert "verify=full with 8 hashing threads, at depth 4/8/16" in result.stdout
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
-    assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-vt4-query",
-                       "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query"]
+    assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-depth4-query",
+                       "pykv-stripe8-depth8-query", "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query",
+                       "pykv-stripe8-vt4-query"]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
-    assert [(c["verify"], c["verify_threads"], c["io_engine"], len(c["roots"])) for c in configs] == \
-        [("full", "auto", "auto", 8), ("full", "auto", "auto", 8), ("full", 4, "auto", 8),
-         ("full", "auto", "threadpool", 8), ("header", "auto", "auto", 8)]
+    assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], len(c["roots"])) for c in configs] == \
+        [("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 4, 8),
+         ("full", "auto", "auto", 8, 8), ("full", "auto", "threadpool", 16, 8),
+         ("header", "auto", "auto", 16, 8), ("full", 4, "auto", 16, 8)]
 
 
 def test_stage_s5_reports_each_query_variant_with_its_load_rate():
@@ -389,6 +391,6 @@ def test_the_stripe_stages_take_io_engine_into_the_config(tmp_path, io_engine, p
 def test_s5_runs_the_query_variants_asked_for_and_refuses_unknown_ones():
     from h200bench.verify_stage import QUERIES, chosen_queries
     assert chosen_queries("") == QUERIES
-    assert chosen_queries("header, defaults") == [QUERIES[0], QUERIES[3]]  # in QUERIES' order
+    assert chosen_queries("header, defaults") == [QUERIES[0], QUERIES[4]]  # in QUERIES' order
     with pytest.raises(SystemExit, match="unknown variant.*bogus"):
         chosen_queries("defaults,bogus")

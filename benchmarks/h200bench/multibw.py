@@ -196,13 +196,14 @@ def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -
         thread_counts = [int(t) for t in (a.verify_threads or "").split(",") if t] or [None]
         passes = [(mode, threads) for mode in modes
                   for threads in ([None] if mode == "header" else thread_counts)]
+        depths = [int(d) for d in str(a.files_depth).split(",") if d]
         for engine in engines:
-            for mode, threads in passes:
+            for (mode, threads), depth in ((p, d) for p in passes for d in depths):
                 tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
-                        "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": a.files_depth,
+                        "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": depth,
                         **({} if threads is None else {"verify_threads": threads})}
                 try:
-                    runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=a.files_depth,
+                    runs = bench_files(engine, dirs, size=size, block_size=FILE_BLOCK, depth=depth,
                                        verify="full" if mode == "auth" else mode,
                                        auth_key_file=key_file if mode == "auth" else None, verify_threads=threads)
                 except Exception as exc:  # noqa: BLE001 - io_uring may be refused
@@ -226,7 +227,8 @@ def add_mbw_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--files-size", type=int, default=1 << 30,
                    help="reactor block files per device, bytes (0: no reactor pass)")
-    p.add_argument("--files-depth", type=int, default=16, help="reactor: requests in flight per device")
+    p.add_argument("--files-depth", default="16", help="reactor: requests in flight per device (comma-separated: "
+                   "a pass per depth)")
     p.add_argument("--files-modes", default="header,full,auth", help="reactor: verify modes (header, full, auth)")
     p.add_argument("--files-only", action="store_true", help="only the reactor pass (no copy probe, no raw reads)")
     p.add_argument("--verify-threads", default="", help="reactor: hashing thread counts, comma-separated "

@@ -64,12 +64,16 @@ def aggregate_odirect(records: list[dict], count: int) -> dict[tuple[int, int], 
 
 
 def reactor_lines(records: list[dict], reference: dict[int, float | None]) -> list[str]:
-    """Best reactor file-load GB/s per (devices, engine, verify), and its share of the O_DIRECT reference."""
+    """Best reactor file-load GB/s per (devices, engine, verify, depth when several were run), and its share
+    of the O_DIRECT reference."""
     best: dict[tuple[int, str, str], float] = {}
-    for r in records:
+    files = [r for r in records if r.get("what") == FILES_WHAT and r.get("gb_per_s")]
+    several_depths = len({r.get("depth") for r in files}) > 1
+    for r in files:
         if r.get("what") == FILES_WHAT and r.get("gb_per_s"):
             threads = f", {r['verify_threads']} hashing threads" if r.get("verify_threads") else ""
-            key = (r["devices"], r["engine"], r.get("verify", "header") + threads)
+            depth = f", depth {r.get('depth')}" if several_depths else ""
+            key = (r["devices"], r["engine"], r.get("verify", "header") + threads + depth)
             best[key] = max(best.get(key, 0.0), r["gb_per_s"])
     lines = []
     for (n, engine, verify), rate in sorted(best.items()):

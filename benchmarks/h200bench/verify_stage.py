@@ -12,11 +12,16 @@ from h200bench import striping
 from h200bench.runner import ENTRY
 from h200bench.striping_report import Section
 
-VERIFY_THREADS = (4, 8, 12, 16)
-QUERIES = [("defaults", {}), ("vt4", {"verify_threads": 4}), ("threadpool", {"io_engine": "threadpool"}),
-           ("header", {"verify": "header"})]
+VERIFY_THREADS = (8,)
+DEPTHS = (4, 8, 16)
+"""The reactor pass: ``verify=full`` with the 8 hashing threads auto gives 8 devices (runs 13-14 tried
+4-16), at each of these reads in flight per device (the default ``io_depth`` is 16)."""
+QUERIES = [("defaults", {}), ("depth4", {"io_depth": 4}), ("depth8", {"io_depth": 8}),
+           ("threadpool", {"io_engine": "threadpool"}), ("header", {"verify": "header"}),
+           ("vt4", {"verify_threads": 4})]
 """(variant, keys added to the defaults) of the query engines after S5's one fill: the defaults
-(``verify_threads`` auto), run 13's default of 4 hashing threads, the thread pool, no checksum."""
+(``io_depth`` 16, ``verify_threads`` auto), 4 and 8 reads in flight per device (run 15), the thread
+pool, no checksum, run 13's default of 4 hashing threads."""
 
 
 def stage_s5(runner) -> None:
@@ -47,10 +52,11 @@ def reactor_pass(runner, mnts: list[str]) -> None:
     size = (56 << 20) if runner.smoke else (1 << 30)
     argv = [sys.executable, str(ENTRY), "mbw", "--results", str(runner.results), "--stage", runner.stage,
             "--dirs", ",".join(dirs), "--files-only", "--engines", "io_uring", "--files-modes", "header,full",
-            "--verify-threads", ",".join(str(t) for t in VERIFY_THREADS), "--files-size", str(size)]
+            "--verify-threads", ",".join(str(t) for t in VERIFY_THREADS), "--files-size", str(size),
+            "--files-depth", ",".join(str(d) for d in DEPTHS)]
     if runner.dry:
         print(f"  reactor over block files on {len(dirs)} devices: verify=header, verify=full with "
-              f"{'/'.join(str(t) for t in VERIFY_THREADS)} hashing threads")
+              f"{'/'.join(str(t) for t in VERIFY_THREADS)} hashing threads, at depth {'/'.join(str(d) for d in DEPTHS)}")
         return
     runner.spawn("mbw-verify", argv, 180)
 
