@@ -92,6 +92,17 @@ for pair in $EXTRA_MODULES; do
         || { echo "h200_run.sh: $module install failed" >&2; exit 3; }
 done
 
+# 3b. py-spy when PYKV_PYSPY names engines to profile (runner.profiled): its wheel from .device/extra
+if [ -n "${PYKV_PYSPY:-}" ]; then
+    found=$(ls "$REPO"/.device/extra/py_spy-*.whl 2>/dev/null | head -1)
+    if [ -n "$found" ] && python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$found"; then
+        export PATH=$WORK/deps/bin:$PATH
+        say "py-spy from .device/extra: profiling engines whose label contains '$PYKV_PYSPY'"
+    else
+        say "PYKV_PYSPY: no py_spy wheel in .device/extra (or its install failed): no profiles"
+    fi
+fi
+
 # 4. fail fast if the connector does not import against this vLLM
 if ! (cd "$WORK" && PYTHONPATH=$REPO/benchmarks:$PYTHONPATH python3 -c \
         'import torch, vllm, pykv.connector.connector, pykv.connector.worker, h200_connector; print("imports ok: vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "pykv.connector from", pykv.connector.__path__[0])'); then

@@ -222,13 +222,13 @@ def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_load_va
     assert "verify=full with 8 hashing threads, at depth 4/8/16" in result.stdout
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
     assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-depth4-query",
-                       "pykv-stripe8-depth8-query", "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query",
+                       "pykv-stripe8-repeat-query", "pykv-stripe8-depth8-query", "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query",
                        "pykv-stripe8-vt4-query"]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
     assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], len(c["roots"])) for c in configs] == \
         [("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 4, 8),
-         ("full", "auto", "auto", 8, 8), ("full", "auto", "threadpool", 16, 8),
+         ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 8, 8), ("full", "auto", "threadpool", 16, 8),
          ("header", "auto", "auto", 16, 8), ("full", 4, "auto", 16, 8)]
 
 
@@ -391,6 +391,25 @@ def test_the_stripe_stages_take_io_engine_into_the_config(tmp_path, io_engine, p
 def test_s5_runs_the_query_variants_asked_for_and_refuses_unknown_ones():
     from h200bench.verify_stage import QUERIES, chosen_queries
     assert chosen_queries("") == QUERIES
-    assert chosen_queries("header, defaults") == [QUERIES[0], QUERIES[4]]  # in QUERIES' order
+    assert chosen_queries("header, defaults") == [QUERIES[0], QUERIES[5]]  # in QUERIES' order
     with pytest.raises(SystemExit, match="unknown variant.*bogus"):
         chosen_queries("defaults,bogus")
+
+
+def test_engines_named_in_pykv_pyspy_run_under_py_spy_and_others_as_they_are(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from h200bench import runner as runner_module
+    runner = SimpleNamespace(results=tmp_path / "work" / "results.jsonl", out=tmp_path)
+    argv = ["python3", "h200_connector.py", "engine", "cfg.json"]
+    monkeypatch.setattr(runner_module.shutil, "which", lambda name: "/deps/bin/py-spy" if name == "py-spy" else None)
+    monkeypatch.delenv("PYKV_PYSPY", raising=False)
+    assert runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv) == argv
+    monkeypatch.setenv("PYKV_PYSPY", "query")
+    assert runner_module.Runner.profiled(runner, "pykv-stripe8-fill", argv) == argv
+    wrapped = runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv)
+    assert wrapped[:2] == ["/deps/bin/py-spy", "record"] and "--gil" in wrapped and "--subprocesses" in wrapped
+    assert wrapped[wrapped.index("--output") + 1] == str(tmp_path / "pyspy-pykv-stripe8-query.json")
+    assert wrapped[wrapped.index("--") + 1:] == argv
+    monkeypatch.setattr(runner_module.shutil, "which", lambda name: None)  # no py-spy on the host
+    assert runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv) == argv

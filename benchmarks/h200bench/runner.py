@@ -22,7 +22,7 @@ from pykv.config import PykvConfig
 from h200bench.loop import LoopDevices
 from h200bench.settings import (BENCHMARKS, CHUNK, ENGINE_ENV, GIB, LLAMA_3_2_3B, LLAMA_3_2_3B_KV_BYTES_PER_TOKEN,
                                 STAGE_REQUIRED_S, mk_model_candidates)
-from h200bench.util import (emit, free_bytes, log, model_info, mount_of, now, pick_disk_dir,
+from h200bench.util import (emit, free_bytes, log, model_info, mount_of, now, numa_layout, pick_disk_dir,
                             run_cmd, tree_bytes)
 
 ENTRY = BENCHMARKS / "h200_connector.py"
@@ -167,6 +167,7 @@ class Runner:
         """Run ``argv`` in its own process group, killed at ``timeout`` (or the deadline); its log in
         WORK/logs, a ``process`` record; afterwards the GPU and the tmpfs are freed of what it left."""
         logf = self.work / "logs" / f"{label}.log"
+        argv = self.profiled(label, argv)
         timeout = max(30.0, min(timeout, self.remaining() - 15))
         log(f"{label}: start (timeout {timeout:.0f} s, log {logf})")
         t = time.perf_counter()
@@ -197,6 +198,17 @@ class Runner:
         if not self.smoke:
             self.loops.clean_shm()
         return rc
+
+    def profiled(self, label: str, argv: list[str]) -> list[str]:
+        """``argv`` under ``py-spy record`` when ``PYKV_PYSPY`` is part of ``label`` and py-spy is on
+        PATH: the threads holding the GIL in the process and its children, sampled 200 times a second,
+        as a speedscope file ``pyspy-LABEL.json`` in ``--out`` (else beside the results)."""
+        wanted, spy = os.environ.get("PYKV_PYSPY", ""), shutil.which("py-spy")
+        if not wanted or wanted not in label or spy is None:
+            return argv
+        out = Path(self.out or Path(self.results).parent) / f"pyspy-{label}.json"
+        return [spy, "record", "--subprocesses", "--gil", "--rate", "200", "--format", "speedscope",
+                "--output", str(out), "--", *argv]
 
     def spawn_config(self, label: str, command: str, cfg: dict, timeout: float, *, script: Path = ENTRY) -> int:
         """Run ``script COMMAND CFG.json`` with ``cfg`` written to WORK/cfg and fresh counter files."""
@@ -269,6 +281,7 @@ class Runner:
             rec["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
         except OSError:
             rec["thp"] = None
+        rec["numa"] = numa_layout()
         if shutil.which("nvidia-smi"):
             rec["gpu"] = run_cmd(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                                   "--format=csv,noheader"], check=False).stdout.strip()

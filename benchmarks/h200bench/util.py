@@ -149,3 +149,22 @@ def wait_files(root: str, suffix: str, expected: int, timeout: float) -> int:
         time.sleep(0.5)
     log(f"wait_files: {last} of {expected} files in {root} after {timeout:.0f} s")
     return last
+
+
+def numa_layout() -> dict:
+    """The host's NUMA nodes (their CPU lists) and each GPU's node, from sysfs ({} where absent):
+    staging memory, the loop devices' tmpfs pages and the GPU may sit on different nodes."""
+    layout: dict = {}
+    nodes = Path("/sys/devices/system/node")
+    for node in sorted(nodes.glob("node[0-9]*")):
+        try:
+            layout.setdefault("nodes", {})[node.name] = (node / "cpulist").read_text().strip()
+        except OSError:
+            continue
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+        try:
+            if (dev / "vendor").read_text().strip() == "0x10de" and (dev / "class").read_text().startswith("0x03"):
+                layout.setdefault("gpus", {})[dev.name] = (dev / "numa_node").read_text().strip()
+        except OSError:
+            continue
+    return layout
