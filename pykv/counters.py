@@ -142,6 +142,10 @@ class WorkerCounter(_Documented):
     PRELOADS_FAILED = "preloads_failed", "Preload reads that failed."
     PRELOAD_WASTED_BYTES = "preload_wasted_bytes", "Bytes preloaded and never claimed."
     SLOTS_HIGH = "slots_high", "The most staging slots held at once."
+    STAGING_BYTES = "staging_bytes", "Bytes of the staging pool (a gauge, set at start)."
+    STAGING_HUGE_BYTES = ("staging_huge_bytes",
+        "Of those, bytes on transparent huge pages once page-locked (a gauge, set at start; fewer make "
+        "each O_DIRECT read pin more pages).")
     PRELOAD_SLOTS_HIGH = "preload_slots_high", "The most staging slots preloads held at once."
     # the GPU copier's
     H2D_BATCHES = "h2d_batches", "Host-to-GPU copy batches (loads)."

@@ -17,7 +17,7 @@ import threading
 from typing import Callable
 
 from pykv.format import HEADER_SIZE, padded
-from pykv.io.memory import aligned_buffer, buffer_address
+from pykv.io.memory import aligned_buffer, buffer_address, huge_page_bytes
 
 PAGE = mmap.PAGESIZE
 
@@ -118,6 +118,10 @@ class StagingPool:
     @property
     def total_bytes(self) -> int:
         return self.slot_bytes * self.num_slots
+
+    def huge_bytes(self) -> int | None:
+        """Bytes of the pool's memory on transparent huge pages now (None where unknown)."""
+        return huge_page_bytes(self.base_address, len(self._memory))
 
     def address(self, slot: int) -> int:
         """Raw pointer to the first byte of ``slot`` (page aligned)."""

@@ -169,6 +169,8 @@ class BlockStore:
         self.dram_base, self.dram_slots = engine.transient_slots, engine.dram_slots
         self.pool = StagingPool(engine.slot_bytes, engine.transient_slots + engine.dram_slots,
                                 reserved=engine.dram_slots, register=register, unregister=unregister)
+        self.counters[C.STAGING_BYTES] = self.pool.total_bytes
+        self.counters[C.STAGING_HUGE_BYTES] = self.pool.huge_bytes() or 0
         self._lock = threading.Condition()
         self._stopped = False
         self.reactor = build_reactor(config, self.pool, self.devices, client=self, on_job_done=self._reactor_job_done)

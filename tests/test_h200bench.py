@@ -413,3 +413,20 @@ def test_engines_named_in_pykv_pyspy_run_under_py_spy_and_others_as_they_are(tmp
     assert wrapped[wrapped.index("--") + 1:] == argv
     monkeypatch.setattr(runner_module.shutil, "which", lambda name: None)  # no py-spy on the host
     assert runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv) == argv
+
+
+def test_the_striping_notes_give_each_engines_staging_on_huge_pages():
+    recs = stripe_records()
+    for r in recs:
+        if r.get("kind") == "ttft" and r["label"] == "pykv-stripe8-query":
+            r.update(staging_bytes=8 << 30, staging_huge_bytes=6 << 30)
+    text, _, _ = build_report(recs)
+    assert "pykv-stripe8-query: 32,768 0.240 s, 81,920 0.650 s, staging 8.0 GiB, 75% on huge pages" in text
+    assert "pykv-stripe1-query: 32,768 0.900 s, 81,920 1.800 s\n" in text + "\n"  # no gauges: no staging note
+
+
+def test_a_ttft_record_carries_the_staging_gauges_as_values():
+    before = {"worker0": {"staging_bytes": 100, "staging_huge_bytes": 40, "load_jobs": 1}}
+    after = {"worker0": {"staging_bytes": 100, "staging_huge_bytes": 40, "load_jobs": 2}}
+    fields = counter_fields(before, after)
+    assert fields["staging_bytes"] == 100 and fields["staging_huge_bytes"] == 40

@@ -57,3 +57,21 @@ def test_a_large_buffer_is_backed_by_huge_pages() -> None:
 def test_a_small_buffer_is_not_asked_for_huge_pages() -> None:
     buffer = aligned_buffer(HUGE_PAGE - ALIGNMENT, populate=True)
     assert anon_huge_bytes(buffer_address(buffer)) == 0
+
+
+def test_huge_page_bytes_sums_the_mappings_a_range_spans(tmp_path):
+    from pykv.io.memory import huge_page_bytes
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+        "Size:               4096 kB\nAnonHugePages:      2048 kB\n"
+        "7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n"
+        "Size:               4096 kB\nAnonHugePages:      4096 kB\n"
+        "7f0000800000-7f0000801000 r--p 00000000 08:01 1234   /usr/lib/x.so\n"
+        "AnonHugePages:         0 kB\nVmFlags: rd mr mw me\n")
+    base = 0x7f0000000000
+    assert huge_page_bytes(base, 4 << 20, str(smaps)) == 2 << 20  # the first mapping only
+    assert huge_page_bytes(base + (1 << 20), 4 << 20, str(smaps)) == 6 << 20  # both
+    assert huge_page_bytes(0x1000, 4096, str(smaps)) == 0  # no mapping there
+    assert huge_page_bytes(base, 4096, str(tmp_path / "missing")) is None
+

@@ -201,3 +201,14 @@ def test_a_store_through_dram_slots_is_filled_and_not_shed_while_staging_is_exha
     client.release()
     s.wait_engine_blocks([2])
     assert not client.wait(2).failures and s.counters["store_blocks_shed"] == 0
+
+
+def test_the_staging_gauges_give_the_pool_and_its_huge_pages(store, monkeypatch):
+    from pykv.staging import StagingPool
+    monkeypatch.setattr(StagingPool, "huge_bytes", lambda pool: pool.total_bytes // 2)
+    s, _ = store()
+    stats = s.stats()
+    assert stats["staging_bytes"] == s.pool.total_bytes > 0
+    assert stats["staging_huge_bytes"] == s.pool.total_bytes // 2
+    monkeypatch.setattr(StagingPool, "huge_bytes", lambda pool: None)  # smaps unreadable: 0, not a failure
+    assert store()[0].stats()["staging_huge_bytes"] == 0

@@ -130,6 +130,10 @@ def engine_main(config_path: str) -> int:
     os._exit(0)
 
 
+GAUGES = ("staging_bytes", "staging_huge_bytes")
+"""Worker counters a TTFT record carries as values: the staging pool and its share on huge pages."""
+
+
 def counter_fields(stats_before: dict, stats_after: dict) -> dict:
     """A TTFT record's counter fields: the recorded worker deltas (summed over ranks, and per rank
     when there are several), every changed worker and scheduler counter, and pykv's load seconds
@@ -143,6 +147,9 @@ def counter_fields(stats_before: dict, stats_after: dict) -> dict:
     ranks = rank_deltas(stats_before, stats_after)
     if len(ranks) > 1:
         fields["per_rank"] = ranks
+    for gauge in GAUGES:  # set once at start: their values, not deltas
+        if gauge in after:
+            fields[gauge] = after[gauge]
     _, nbytes, us = load_job_fields(fields)
     if us > 0:
         fields["load_seconds"] = round(us / 1e6, 4)

@@ -163,6 +163,11 @@ def build(records: list[dict]) -> Section | None:
         for label in sorted({r["label"] for r in pykv_rows[n]}):
             per = [f"{length:,} {fmt(median([r['ttft'] for r in pykv_rows[n] if r['label'] == label and r['length'] == length]))} s"
                    for length in lengths]
+            staging = [r for r in pykv_rows[n] if r["label"] == label and r.get("staging_bytes")]
+            if staging:  # the worker's gauges (pykv.counters): how much staging THP gave
+                r = staging[-1]
+                per.append(f"staging {r['staging_bytes'] / 2**30:.1f} GiB, "
+                           f"{r.get('staging_huge_bytes', 0) / r['staging_bytes']:.0%} on huge pages")
             notes.append(f"{label}: " + ", ".join(per))
     for r in records:
         if r.get("kind") == "tree" and r.get("files_per_device"):

@@ -50,6 +50,27 @@ def aligned_buffer(size: int, *, populate: bool = False) -> mmap.mmap:
     return buffer
 
 
+def huge_page_bytes(address: int, length: int, smaps: str = "/proc/self/smaps") -> int | None:
+    """Bytes of ``[address, address + length)`` on transparent huge pages now (the ``AnonHugePages``
+    of the mappings it spans, from ``smaps``); None where that cannot be read."""
+    total, inside = 0, False
+    try:
+        with open(smaps, encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: START-END ...
+                    start, _, end = head.partition("-")
+                    try:
+                        inside = int(start, 16) < address + length and int(end, 16) > address
+                    except ValueError:
+                        inside = False
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
 def buffer_address(buffer: mmap.mmap) -> int:
     """Return the address of ``buffer``'s first byte.
 
