@@ -411,6 +411,9 @@ def test_engines_named_in_pykv_pyspy_run_under_py_spy_and_others_as_they_are(tmp
     assert wrapped[:2] == ["/deps/bin/py-spy", "record"] and "--gil" in wrapped and "--subprocesses" in wrapped
     assert wrapped[wrapped.index("--output") + 1] == str(tmp_path / "pyspy-pykv-stripe8-query.json")
     assert wrapped[wrapped.index("--") + 1:] == argv
+    monkeypatch.setenv("PYKV_PYSPY_ARGS", "--idle --native")
+    wrapped = runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv)
+    assert "--gil" not in wrapped and wrapped[3:5] == ["--idle", "--native"]
     monkeypatch.setattr(runner_module.shutil, "which", lambda name: None)  # no py-spy on the host
     assert runner_module.Runner.profiled(runner, "pykv-stripe8-query", argv) == argv
 

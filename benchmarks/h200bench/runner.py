@@ -201,13 +201,15 @@ class Runner:
 
     def profiled(self, label: str, argv: list[str]) -> list[str]:
         """``argv`` under ``py-spy record`` when ``PYKV_PYSPY`` is part of ``label`` and py-spy is on
-        PATH: the threads holding the GIL in the process and its children, sampled 200 times a second,
-        as a speedscope file ``pyspy-LABEL.json`` in ``--out`` (else beside the results)."""
+        PATH: the process and its children sampled 200 times a second with ``PYKV_PYSPY_ARGS``
+        (default ``--gil``: the threads holding the GIL; ``--idle`` every thread, waiting or not), as a
+        speedscope file ``pyspy-LABEL.json`` in ``--out`` (else beside the results)."""
         wanted, spy = os.environ.get("PYKV_PYSPY", ""), shutil.which("py-spy")
         if not wanted or wanted not in label or spy is None:
             return argv
         out = Path(self.out or Path(self.results).parent) / f"pyspy-{label}.json"
-        return [spy, "record", "--subprocesses", "--gil", "--rate", "200", "--format", "speedscope",
+        mode = os.environ.get("PYKV_PYSPY_ARGS", "--gil").split()
+        return [spy, "record", "--subprocesses", *mode, "--rate", "200", "--format", "speedscope",
                 "--output", str(out), "--", *argv]
 
     def spawn_config(self, label: str, command: str, cfg: dict, timeout: float, *, script: Path = ENTRY) -> int:
