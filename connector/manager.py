@@ -86,6 +86,7 @@ class PykvManager(OffloadingManager):
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
         self.counters: Counter[str] = Counter()
+        self.timing: Counter[str] = Counter()  # counter file only (SchedulerCounter), not vLLM's stats
         self._block_bytes = slot_bytes(config)  # what one stored block adds to the tree, at most
         self.evictor = TreeEvictor(self.devices, EvictionPolicy(pykv.max_tree_bytes, pykv.evict_min_age,
                                                                 pykv.evict_interval)).start() \
@@ -138,6 +139,14 @@ class PykvManager(OffloadingManager):
         once when its first block is stored (the disk checks on ``lookups``' threads; ``lookup`` then
         answers from them); with a gate, refuse its load if the reusable prefix is below its tier's
         break-even length (``lookup`` then answers MISS for it and vLLM recomputes)."""
+        began = time.perf_counter()
+        try:
+            self._survey(req_id, groups, num_computed_tokens)
+        finally:
+            self.timing[SchedulerCounter.SURVEYS] += 1
+            self.timing[SchedulerCounter.SURVEY_US] += int((time.perf_counter() - began) * 1e6)
+
+    def _survey(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
         self._gate_refused = None
         self._surveyed, self._survey_tiers = req_id, {}
         tiers = self._survey_tiers
@@ -345,5 +354,5 @@ class PykvManager(OffloadingManager):
         if not self._stats_file.enabled:
             return
         self._take_evictor_counters()
-        self._stats_file.write({**self.counters, SchedulerCounter.DRAM_ENTRIES: len(self.residency),
+        self._stats_file.write({**self.counters, **self.timing, SchedulerCounter.DRAM_ENTRIES: len(self.residency),
                                 SchedulerCounter.PENDING_STORES: self.residency.pending_stores})

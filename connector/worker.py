@@ -80,6 +80,7 @@ class PykvWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
+        self._load_ended: dict[int, float] = {}  # id() of load results in _finished: when they ended
         self._failed_blocks: set[int] = set()
         self._failed_jobs: set[int] = set()
         self._report = WorkerReport()
@@ -153,7 +154,11 @@ class PykvWorker(OffloadingWorker):
         """Jobs done since the last call; their failures become reportable in this same step."""
         with self._lock:
             finished, self._finished = self._finished, []
+            now = time.monotonic()
             for result, failed_ids, report in finished:
+                ended = self._load_ended.pop(id(result), None)
+                if ended is not None:
+                    self.counters[WorkerCounter.LOAD_REPORT_WAIT_US] += int((now - ended) * 1e6)
                 self._failed_blocks.update(failed_ids)
                 if failed_ids:
                     self._failed_jobs.add(result.job_id)
@@ -289,7 +294,10 @@ class PykvWorker(OffloadingWorker):
             if end.released:  # vLLM has this job already: only the report is left to send
                 self._report = self._report.merge(report)
             else:
-                self._finished.append((TransferResult(end.job, True, end.bytes, end.seconds), failed_ids, report))
+                result = TransferResult(end.job, True, end.bytes, end.seconds)
+                self._finished.append((result, failed_ids, report))
+                if end.kind is Kind.LOAD:
+                    self._load_ended[id(result)] = time.monotonic()
         if end.released:
             # An idle engine stops calling get_finished once it has every job, so the end of these
             # writes is written out here (calibrate's settle step waits for it).

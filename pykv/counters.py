@@ -92,6 +92,10 @@ class SchedulerCounter(_Documented):
 
     DRAM_ENTRIES = "dram_entries", "Blocks in the DRAM tier now (a gauge)."
     PENDING_STORES = "pending_stores", "Blocks being stored now (a gauge)."
+    SURVEYS = "surveys", "Requests whose blocks were looked up at once before vLLM's lookups (``survey_request``)."
+    SURVEY_US = ("survey_us",
+        "Microseconds the scheduler spent in those surveys (the disk checks and the gate), summed: "
+        "time in the scheduler's step before a hit's load can start.")
 
 
 class WorkerCounter(_Documented):
@@ -129,6 +133,9 @@ class WorkerCounter(_Documented):
     FLUSH_WAITS = "flush_waits", "Times vLLM waited for store jobs (``wait``)."
     FLUSH_WAIT_US = "flush_wait_us", "Microseconds vLLM spent in those waits."
     JOBS_IN_FLIGHT = "jobs_in_flight", "Jobs not yet reported to vLLM (a gauge: 0 when idle)."
+    LOAD_REPORT_WAIT_US = ("load_report_wait_us",
+        "Microseconds from a load job's end to vLLM collecting it (``get_finished``), summed: time a "
+        "request waits after its KV is in place until vLLM's next poll.")
     # the reactor's
     DISK_READS = "disk_reads", "Block reads started (demand and preload)."
     DISK_READ_BYTES = "disk_read_bytes", "Their bytes."

@@ -602,3 +602,22 @@ def run_jobs(worker: PykvWorker, jobs: set[int], timeout: float = 20.0) -> Worke
         time.sleep(0.01)
     assert done == jobs
     return worker.take_report()
+
+
+def test_a_load_counts_the_time_from_its_end_until_vllm_collects_it(rig):
+    """``load_report_wait_us``: a request waits this long after its KV is in place (vLLM polls
+    ``get_finished`` once per step); a store's report adds nothing to it."""
+    manager, worker, kv = rig(dram_bytes="2M")
+    ctx = ReqContext("r")
+    ks = keys(3, salt=21)
+    store_through_dram(manager, worker, kv, ks, ctx, 1)
+    assert worker.counters["load_report_wait_us"] == 0  # stores are not counted
+    worker.submit_load(2, manager.prepare_load(ks[:1], ctx), GPULoadStoreSpec(list(range(40, 44)), [4], [0]))
+    deadline = time.monotonic() + 20
+    while worker.counters["load_job_bytes"] == 0:  # the job ended (counted at its end), not yet collected
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert [r.job_id for r in worker.get_finished()] == [2]
+    assert worker.counters["load_report_wait_us"] >= 150_000  # at least the 0.2 s it sat uncollected
+    assert worker.get_finished() == [] and worker.counters["load_report_wait_us"] < 20_000_000

@@ -289,3 +289,13 @@ def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
     seen.clear()
     connector.get_num_new_matched_tokens(request, 0)
     assert seen == ["super"]
+
+
+def test_each_survey_counts_its_time_in_the_counter_file_not_in_vllms_stats(tmp_path):
+    from pykv.counters import SchedulerCounter
+    m = manager(tmp_path)
+    on_disk(m, KEYS[:3])
+    m.survey_request("r", [(CHUNK, KEYS[:3])], 0)
+    m.survey_request("miss", [(CHUNK, [b"\x09" * 36])], 0)
+    assert m.timing[SchedulerCounter.SURVEYS] == 2 and m.timing[SchedulerCounter.SURVEY_US] > 0
+    assert SchedulerCounter.SURVEY_US not in m.counters  # vLLM's stats carry pykv:* metrics only

@@ -433,3 +433,14 @@ def test_a_ttft_record_carries_the_staging_gauges_as_values():
     after = {"worker0": {"staging_bytes": 100, "staging_huge_bytes": 40, "load_jobs": 2}}
     fields = counter_fields(before, after)
     assert fields["staging_bytes"] == 100 and fields["staging_huge_bytes"] == 40
+
+
+def test_the_report_splits_a_disk_hits_time_by_pykvs_counters():
+    recs = stripe_records()
+    for r in recs:
+        if r.get("kind") == "ttft" and r["label"] == "pykv-stripe8-query":
+            r.update(load_job_us=int(r["ttft"] * 1e6) - 60_000, scheduler_delta={"survey_us": 12_000},
+                     worker_delta={"load_report_wait_us": 3_000})
+    text, _, _ = build_report(recs)
+    assert "L=32,768: TTFT 240 ms = survey 12.0 + load job 180 + report wait 3.0 + the rest 45 (n=1)" in text
+    assert "L=81,920: TTFT 650 ms = survey 12.0 + load job 590 + report wait 3.0 + the rest 45 (n=1)" in text

@@ -82,6 +82,28 @@ def reactor_lines(records: list[dict], reference: dict[int, float | None]) -> li
     return lines or ["not measured"]
 
 
+def time_split(rows: list[dict], lengths: list[int]) -> list[str]:
+    """Per length, a disk hit's TTFT split by pykv's counters: the scheduler's survey of its blocks
+    (``survey_us``), the load job (``load_job_us``), the wait until vLLM collected the finished job
+    (``load_report_wait_us``), and the rest (vLLM's steps, the last block's prefill)."""
+    from h200bench.report import median
+
+    lines = []
+    for length in lengths:
+        hits = [r for r in rows if r["length"] == length and r.get("load_job_us")]
+        if not hits:
+            continue
+        parts = {"ttft": [r["ttft"] * 1e3 for r in hits],
+                 "survey": [r.get("scheduler_delta", {}).get("survey_us", 0) / 1e3 for r in hits],
+                 "load": [r["load_job_us"] / 1e3 for r in hits],
+                 "wait": [r.get("worker_delta", {}).get("load_report_wait_us", 0) / 1e3 for r in hits]}
+        rest = [t - a - b - c for t, a, b, c in zip(parts["ttft"], parts["survey"], parts["load"], parts["wait"])]
+        m = {k: median(v) for k, v in parts.items()}
+        lines.append(f"L={length:,}: TTFT {m['ttft']:.0f} ms = survey {m['survey']:.1f} + load job {m['load']:.0f} "
+                     f"+ report wait {m['wait']:.1f} + the rest {median(rest):.0f} (n={len(hits)})")
+    return lines or ["no load-job counters recorded"]
+
+
 def copy_lines(records: list[dict]) -> list[str]:
     """The best host copy rate per thread count (``multibw.host_copy``)."""
     best: dict[int, float] = {}
@@ -177,6 +199,8 @@ def build(records: list[dict]) -> Section | None:
                          + (f"; command: {r['command_error']}" if r.get("command_error") else "")
                          + (", differs from the library's" if r.get("same_as_library") is False else "") + ")")
     s.lines("notes:", notes)
+    s.lines(f"where a disk hit's time goes, {many} devices (medians over the query engines):",
+            time_split(pykv_rows[many], lengths))
     s.lines("calibration of the set (pykv calibrate):", calibration_lines(records))
     return s
 
