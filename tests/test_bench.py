@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -125,3 +126,22 @@ def test_even_keys_balance_a_skewed_placement_and_give_up_when_a_device_gets_non
     assert sorted(medium.lane(medium.locate("ns", k)) for k in keys) == [0, 0, 0, 1, 1, 1]
     with pytest.raises(RuntimeError, match="too few"):
         even_keys(SkewedMedium(None), "ns", 3)
+
+
+def test_bench_depth_reports_when_the_blocks_arrive_at_each_depth(tmp_path):
+    import re
+    import subprocess
+    import sys
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_depth.py"
+    result = subprocess.run([sys.executable, str(script), "--dirs", ",".join(map(str, dirs)), "--blocks", "3",
+                             "--depths", "2,1", "--repeat", "1", "--block-mib", "1", "--engine", "threadpool"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("depth")]
+    assert [int(line.split()[1].rstrip(":")) for line in lines] == [2, 1]
+    for line in lines:
+        first, quarter, half = (int(x) for x in re.findall(r"(\d+) ms", line)[1:4])
+        assert first <= quarter <= half and float(re.search(r"([\d.]+) GB/s", line).group(1)) > 0
