@@ -135,12 +135,14 @@ def _render(out: Console, data: dict[str, Any]) -> None:
 def _render_gate(out: Console, gate: dict[str, Any]) -> None:
     """The gated engine per length against the better of recompute and disk hit, and the verdict."""
     limit = f"{(gate['tolerance'] - 1) * 100:.0f} %"
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", f"within {limit}"]
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", f"within {limit}", "gate's cost"]
     rows = [[f"{p['tokens']:,}", _seconds(p["gated_s"]), _seconds(p["best_s"]), f"{p['ratio']:.2f}",
-             f"{p['admitted']}/{p['runs']}", _yes_no(p.get("right")), _yes_no(p["ok"])] for p in gate["points"]]
+             f"{p['admitted']}/{p['runs']}", _yes_no(p.get("right")), _yes_no(p["ok"]), _gate_cost(p)]
+            for p in gate["points"]]
     out.print(table("gate check: TTFT in seconds (medians) with the gate on; best = min(recompute, disk hit); "
                     "loaded = runs that loaded; right path = the path taken is within the tolerance of the "
-                    "better one in the recompute and disk engines", columns, rows, right=set(columns)))
+                    "better one in the recompute and disk engines; gate's cost = its decision time in the "
+                    "gated engine, and its share of the better path", columns, rows, right=set(columns)))
     wrong = [f"{p['tokens']:,}" for p in gate["points"] if p.get("right") is False]
     if wrong:
         out.print(f"gate check: the gate took the slower path at {', '.join(wrong)} tokens; measure lengths "
@@ -152,6 +154,12 @@ def _render_gate(out: Console, gate: dict[str, Any]) -> None:
     slow = [f"{p['tokens']:,}" for p in gate["points"] if not p["ok"]]
     out.print(f"gate check: gated pykv more than {limit} slower than the better of recompute and disk hit at "
               f"{len(slow)} of {len(gate['points'])} lengths ({', '.join(slow)} tokens; max {gate['max_ratio']:.2f})")
+
+
+def _gate_cost(point: dict[str, Any]) -> str:
+    if "gate_s" not in point:
+        return "-"  # a file from before the field, or the counters were not read
+    return f"{point['gate_s'] * 1e6:.0f} us ({point['gate_share']:.2%})"
 
 
 def _yes_no(value: bool | None) -> str:

@@ -140,32 +140,36 @@ class PykvManager(OffloadingManager):
         answers from them); with a gate, refuse its load if the reusable prefix is below its tier's
         break-even length (``lookup`` then answers MISS for it and vLLM recomputes)."""
         began = time.perf_counter()
-        try:
-            self._survey(req_id, groups, num_computed_tokens)
-        finally:
-            self.timing[SchedulerCounter.SURVEYS] += 1
-            self.timing[SchedulerCounter.SURVEY_US] += int((time.perf_counter() - began) * 1e6)
+        refused = self._survey(req_id, groups, num_computed_tokens)
+        self.timing[SchedulerCounter.SURVEYS] += 1
+        self.timing[SchedulerCounter.SURVEY_US] += int((time.perf_counter() - began) * 1e6)
+        if refused:
+            self._write_stats()
 
-    def _survey(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
+    def _survey(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> bool:
+        """``survey_request``'s work; True when the gate refused the request's load."""
         self._gate_refused = None
         self._surveyed, self._survey_tiers = req_id, {}
         tiers = self._survey_tiers
         self._find_tiers([key for tokens_per_block, keys in groups
                           for key in keys[num_computed_tokens // tokens_per_block:]], tiers)
         if self.gate is None:
-            return
+            return False
 
         def tier_of(key: bytes) -> Tier | None:
             if key not in tiers:
                 tiers[key] = self.tier_of(key)
             return tiers[key]
 
+        deciding = time.perf_counter()
         decision = self.gate.decide(groups, num_computed_tokens, tier_of)
-        if not decision.admitted:
-            self._gate_refused = req_id
-            self.counters[Metric.GATE_REFUSALS] += 1
-            self.counters[Metric.GATE_REFUSED_TOKENS] += decision.hit_tokens
-            self._write_stats()
+        self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
+        if decision.admitted:
+            return False
+        self._gate_refused = req_id
+        self.counters[Metric.GATE_REFUSALS] += 1
+        self.counters[Metric.GATE_REFUSED_TOKENS] += decision.hit_tokens
+        return True
 
     def _find_tiers(self, keys: list[bytes], tiers: dict[bytes, Tier | None]) -> None:
         """Each of ``keys``' tier into ``tiers``: the first alone (a miss there loads nothing, so

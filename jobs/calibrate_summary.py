@@ -62,17 +62,22 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
 
     ``ok``: the gated median is at most ``tolerance`` times the better path (time, all costs
     included). ``right``: every run took a path whose own median, measured in the recompute and
-    disk engines, is at most ``tolerance`` times the better one (the decision alone).
+    disk engines, is at most ``tolerance`` times the better one (the decision alone). ``gate_s`` /
+    ``gate_share``: the gate's own decision time (median, in the gated engine: the same path) and
+    its share of the better path, where the scheduler's counters gave it.
     """
     seconds = [float(run["seconds"]) for run in runs]
     gated_s, best_s = median(seconds), min(recompute_s, disk_s)
+    gate_us = [int(run["gate_us"]) for run in runs if "gate_us" in run]
     ratio = gated_s / best_s
     admitted = sum(1 for run in runs if run["admitted"])
     chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])
     return {"tokens": tokens, "gated_s": round(gated_s, 6), "recompute_s": recompute_s, "disk_s": disk_s,
             "best_s": best_s, "ratio": round(ratio, 4), "admitted": admitted, "runs": len(runs),
             "ok": ratio <= tolerance, "right": all(c <= tolerance * best_s for c in chosen),
-            "gated_samples": seconds}
+            "gated_samples": seconds,
+            **({"gate_s": median(gate_us) / 1e6, "gate_share": round(median(gate_us) / 1e6 / best_s, 6)}
+               if gate_us else {})}
 
 
 def assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,

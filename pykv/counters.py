@@ -96,6 +96,9 @@ class SchedulerCounter(_Documented):
     SURVEY_US = ("survey_us",
         "Microseconds the scheduler spent in those surveys (the disk checks and the gate), summed: "
         "time in the scheduler's step before a hit's load can start.")
+    GATE_US = ("gate_us",
+        "Of that, microseconds the break-even gate spent deciding (with breakeven_file): what the gate "
+        "itself adds to a request beside the lookups every engine makes.")
 
 
 class WorkerCounter(_Documented):

@@ -97,8 +97,8 @@ def test_table_shows_the_gate_check_and_its_verdict():
 
     samples = [{"path": p, "tokens": n, "seconds": s} for p, n, s in
                [("recompute", 256, 0.10), ("disk", 256, 0.20), ("recompute", 512, 0.30), ("disk", 512, 0.10)]]
-    samples += [{"path": "gated", "tokens": 256, "seconds": 0.102, "admitted": False},
-                {"path": "gated", "tokens": 512, "seconds": 0.2, "admitted": True}]
+    samples += [{"path": "gated", "tokens": 256, "seconds": 0.102, "admitted": False, "gate_us": 40},
+                {"path": "gated", "tokens": 512, "seconds": 0.2, "admitted": True}]  # no counters read
     recompute = [{"tokens": 256, "seconds": 0.1}, {"tokens": 512, "seconds": 0.3}]
     disk = TierCalibration(300, [{"tokens": 256, "hit_s": 0.2}, {"tokens": 512, "hit_s": 0.1}])
     cal = Calibration(model="m", dtype="bfloat16", kv_layout="LBHNC/v29+", gpu="cpu", tiers={"disk": disk},
@@ -109,10 +109,11 @@ def test_table_shows_the_gate_check_and_its_verdict():
     text = console.file.getvalue()
     gate_table = text[text.index("gate check: TTFT"):].splitlines()
     header = next(line for line in gate_table if "┃" in line)
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", "within 5 %"]
+    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", "within 5 %", "gate's cost"]
     assert [c.strip() for c in header.split("┃")] == columns
     assert [[c.strip() for c in line.split("│")] for line in gate_table if "│" in line] == [
-        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes", "yes"], ["512", "0.2000", "0.1000", "2.00", "1/1", "yes", "no"]]
+        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes", "yes", "40 us (0.04%)"],
+        ["512", "0.2000", "0.1000", "2.00", "1/1", "yes", "no", "-"]]
     assert "the gate took the slower path" not in text
     assert "gate check: gated pykv more than 5 % slower than the better of recompute and disk hit at 1 of 2 " \
            "lengths (512 tokens; max 2.00)" in text
@@ -285,6 +286,7 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
         admitted = threshold is not None and p["tokens"] >= threshold
         assert (p["admitted"], p["runs"]) == (2 if admitted else 0, 2), (p, threshold)
         assert p["best_s"] == min(p["recompute_s"], p["disk_s"]) and p["ok"] == (p["gated_s"] / p["best_s"] <= 1.05)
+        assert 0 <= p["gate_s"] < p["best_s"] and p["gate_share"] == round(p["gate_s"] / p["best_s"], 6)
     assert check["all_ok"] == all(p["ok"] for p in check["points"])
     assert check["all_right"] == all(p["right"] for p in check["points"])
     assert check["max_ratio"] == max(p["ratio"] for p in check["points"])
@@ -359,5 +361,7 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
     # above it: loaded from disk
     assert r["long2"][0]["num_cached_tokens"] == 3 * CHUNK and disk("loaded") == 3
     assert refusals("loaded") == refusals("refused")
+    surveys = lambda snap: r[snap]["scheduler"].get("surveys", 0)  # every request surveyed, each timed
+    assert surveys("loaded") >= 4 and r["loaded"]["scheduler"]["survey_us"] >= r["loaded"]["scheduler"]["gate_us"]
     assert r["long1"][0]["tokens"] == same_path.cold("long")
     assert r["long2"][0]["tokens"] == same_path.at("long", 3 * CHUNK)

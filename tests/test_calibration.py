@@ -312,6 +312,17 @@ def test_gate_check_separates_a_right_decision_from_the_connectors_cost():
     assert check["all_right"] is True and check["all_ok"] is False
 
 
+def test_gate_check_gives_the_gates_own_decision_time_beside_the_paths():
+    """The gate's cost is measured in the gated engine itself (same path): its median decision time
+    and its share of the better path, where the samples carry the scheduler's ``gate_us``."""
+    gated = [{**run, "gate_us": us} for run, us in zip(runs("gated", 256, 0.12, 0.13, 0.12, admitted=False), (30, 90, 50))]
+    check = summarize_gate(runs("recompute", 256, 0.10) + runs("disk", 256, 0.30) + gated)
+    point = check["points"][0]
+    assert point["gate_s"] == 50e-6 and point["gate_share"] == round(50e-6 / 0.10, 6) == 0.0005
+    assert "gate_s" not in summarize_gate(runs("recompute", 256, 0.10) + runs("disk", 256, 0.30)
+                                          + runs("gated", 256, 0.12, admitted=False))["points"][0]
+
+
 def test_gate_check_round_trips_through_the_file(tmp_path):
     check = summarize_gate(runs("recompute", 256, 1.0) + runs("disk", 256, 0.5) + runs("gated", 256, 0.5,
                                                                                            admitted=True))

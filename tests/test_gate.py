@@ -299,3 +299,9 @@ def test_each_survey_counts_its_time_in_the_counter_file_not_in_vllms_stats(tmp_
     m.survey_request("miss", [(CHUNK, [b"\x09" * 36])], 0)
     assert m.timing[SchedulerCounter.SURVEYS] == 2 and m.timing[SchedulerCounter.SURVEY_US] > 0
     assert SchedulerCounter.SURVEY_US not in m.counters  # vLLM's stats carry pykv:* metrics only
+    assert SchedulerCounter.GATE_US not in m.timing  # no gate, no decisions
+    gated = manager(tmp_path / "gated", breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 100}))
+    on_disk(gated, KEYS[:3])
+    gated.survey_request("r", [(CHUNK, KEYS[:3])], 0)
+    assert SchedulerCounter.GATE_US in gated.timing  # counted (a decision may take under a microsecond)
+    assert gated.timing[SchedulerCounter.GATE_US] <= gated.timing[SchedulerCounter.SURVEY_US]
