@@ -444,3 +444,13 @@ def test_the_report_splits_a_disk_hits_time_by_pykvs_counters():
     text, _, _ = build_report(recs)
     assert "L=32,768: TTFT 240 ms = survey 12.0 + load job 180 + report wait 3.0 + the rest 45 (n=1)" in text
     assert "L=81,920: TTFT 650 ms = survey 12.0 + load job 590 + report wait 3.0 + the rest 45 (n=1)" in text
+
+
+def test_the_gated_sweep_line_gives_the_gates_own_cost_when_recorded():
+    recs = stripe_records()
+    cal = next(r for r in recs if r.get("kind") == "calibration")
+    cal["gate_check"]["points"][0].update(gate_s=40e-6, gate_share=0.002)
+    cal["gate_check"]["points"][1].update(gate_s=60e-6, gate_share=0.0001)
+    text, _, _ = build_report(recs)
+    assert "the gate's own cost: at most 60 us, 0.20% of the better path (at 1,024 tokens)" in text
+    assert "the gate's own cost" not in build_report(stripe_records())[0]

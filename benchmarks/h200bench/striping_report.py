@@ -257,6 +257,11 @@ def calibration_lines(records: list[dict]) -> list[str]:
                          f"{STRIPE_TARGETS['gate_tolerance']:.2f}x at every length): {verdict(gate['all_ok'])}"
                          + (f"; outside: {', '.join(off)}" if off else "") + f"; right path everywhere: "
                          f"{gate.get('all_right')}")
+            costs = [p for p in gate["points"] if "gate_share" in p]
+            if costs:  # the gate's own decision time, in the gated engine (the same path)
+                worst = max(costs, key=lambda p: p["gate_share"])
+                lines.append(f"the gate's own cost: at most {max(p['gate_s'] for p in costs) * 1e6:.0f} us, "
+                             f"{worst['gate_share']:.2%} of the better path (at {worst['tokens']:,} tokens)")
         elif gate is None:
             lines.append("gated sweep: not run")
     return lines
