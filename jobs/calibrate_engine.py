@@ -2,8 +2,8 @@
 
 Starts the phase's engine, then runs its steps: ``measure`` (one request, its TTFT, the
 tokens it found cached and the blocks pykv's worker loaded per tier, from its counters; in the
-gated engine also the scheduler's survey and gate microseconds) and ``settle`` (wait until the store engine's stores are published). Emits ``started``,
-``sample`` and ``settled`` events (``pykv.jobs.progress``). vLLM only through
+gated engine also the scheduler's survey and gate microseconds) and ``settle`` (wait until the
+store engine's stores are published). Emits ``started``, ``sample`` and ``settled`` events (``pykv.jobs.progress``). vLLM only through
 ``pykv.connector.compat``.
 """
 

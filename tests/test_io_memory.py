@@ -71,7 +71,8 @@ def test_huge_page_bytes_sums_the_mappings_a_range_spans(tmp_path):
         "AnonHugePages:         0 kB\nVmFlags: rd mr mw me\n")
     base = 0x7f0000000000
     assert huge_page_bytes(base, 4 << 20, str(smaps)) == 2 << 20  # the first mapping only
-    assert huge_page_bytes(base + (1 << 20), 4 << 20, str(smaps)) == 6 << 20  # both
+    assert huge_page_bytes(base + (1 << 20), 4 << 20, str(smaps)) == 4 << 20  # both, at most the range
+    assert huge_page_bytes(base + (1 << 20), 6 << 20, str(smaps)) == 6 << 20
     assert huge_page_bytes(0x1000, 4096, str(smaps)) == 0  # no mapping there
     assert huge_page_bytes(base, 4096, str(tmp_path / "missing")) is None
 

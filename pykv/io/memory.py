@@ -52,7 +52,8 @@ def aligned_buffer(size: int, *, populate: bool = False) -> mmap.mmap:
 
 def huge_page_bytes(address: int, length: int, smaps: str = "/proc/self/smaps") -> int | None:
     """Bytes of ``[address, address + length)`` on transparent huge pages now (the ``AnonHugePages``
-    of the mappings it spans, from ``smaps``); None where that cannot be read."""
+    of the mappings it spans, from ``smaps``, at most ``length``: a mapping merged with a neighbour
+    counts the neighbour's too); None where that cannot be read."""
     total, inside = 0, False
     try:
         with open(smaps, encoding="ascii", errors="replace") as lines:
@@ -68,7 +69,7 @@ def huge_page_bytes(address: int, length: int, smaps: str = "/proc/self/smaps") 
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return total
+    return min(total, length)
 
 
 def buffer_address(buffer: mmap.mmap) -> int:
