@@ -2,7 +2,7 @@
 
 Starts the phase's engine, then runs its steps: ``measure`` (one request, its TTFT, the
 tokens it found cached and the blocks pykv's worker loaded per tier, from its counters; in the
-gated engine also the scheduler's survey and gate microseconds) and ``settle`` (wait until the
+gated engine also the gate's decision microseconds) and ``settle`` (wait until the
 store engine's stores are published). Emits ``started``, ``sample`` and ``settled`` events (``pykv.jobs.progress``). vLLM only through
 ``pykv.connector.compat``.
 """
@@ -46,22 +46,21 @@ def worker_loads(stats: str) -> dict[str, int]:
     return {tier: int(worker.get(LOADED[tier], 0)) for tier in TIERS}
 
 
-def survey_timing(stats: str) -> dict[str, int]:
-    """The scheduler's surveys so far and the microseconds they and the gate took (``SchedulerCounter``)."""
+def gate_timing(stats: str) -> dict[str, int]:
+    """The scheduler's surveys so far and the microseconds the gate took deciding (``SchedulerCounter``)."""
     scheduler = read_counters(stats).scheduler()
     return {"surveys": int(scheduler.get(SchedulerCounter.SURVEYS, 0)),
-            "survey_us": int(scheduler.get(SchedulerCounter.SURVEY_US, 0)),
             "gate_us": int(scheduler.get(SchedulerCounter.GATE_US, 0))}
 
 
-def survey_delta(stats: str, before: dict[str, int], timeout: float = 2.0) -> dict[str, int]:
-    """This request's survey and gate microseconds (``survey_us``, ``gate_us``), once the scheduler's
-    counter file shows its survey (written a moment after it); {} if it never does."""
+def gate_delta(stats: str, before: dict[str, int], timeout: float = 2.0) -> dict[str, int]:
+    """This request's gate microseconds (``gate_us``), once the scheduler's counter file shows its
+    survey (written a moment after it); {} if it never does."""
     deadline = time.monotonic() + timeout
     while True:
-        after = survey_timing(stats)
+        after = gate_timing(stats)
         if after["surveys"] > before.get("surveys", 0):
-            return {key: after[key] - before.get(key, 0) for key in ("survey_us", "gate_us")}
+            return {"gate_us": after["gate_us"] - before.get("gate_us", 0)}
         if time.monotonic() > deadline:
             return {}
         time.sleep(0.02)
@@ -97,7 +96,7 @@ def calibration_phase(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
         prompt = {"prompt_token_ids": prompt_tokens(step["tokens"], step["seed"])}
         before = worker_loads(stats) if root else {}
         gated = root and step["path"] == "gated"  # the gate's own cost, from the scheduler's counters
-        surveyed = survey_timing(stats) if gated else {}
+        surveyed = gate_timing(stats) if gated else {}
         began = time.perf_counter()
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - began
@@ -111,7 +110,7 @@ def calibration_phase(plan: dict[str, Any], events: EventLog) -> dict[str, Any]:
                 if sum(loaded.values()) >= cached // block_tokens or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-        timing = survey_delta(stats, surveyed) if gated else {}
+        timing = gate_delta(stats, surveyed) if gated else {}
         events.emit("sample", path=step["path"], tokens=step["tokens"], rep=step["rep"], warmup=step["warmup"],
                     seconds=round(seconds, 6), cached_tokens=cached, loaded=loaded, **timing)
     compat.shutdown_engine(llm)  # stop the engine-core processes now rather than leave them to the caller

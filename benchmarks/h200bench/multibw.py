@@ -194,11 +194,11 @@ def reactor_files(a: argparse.Namespace, dirs: list[Path], engines: list[str]) -
             except ImportError as exc:  # blake3 missing on this host
                 log(f"reactor files: no authenticated pass ({exc})")
         thread_counts = [int(t) for t in (a.verify_threads or "").split(",") if t] or [None]
-        passes = [(mode, threads) for mode in modes
-                  for threads in ([None] if mode == "header" else thread_counts)]
         depths = [int(d) for d in str(a.files_depth).split(",") if d]
+        passes = [(mode, threads, depth) for mode in modes
+                  for threads in ([None] if mode == "header" else thread_counts) for depth in depths]
         for engine in engines:
-            for (mode, threads), depth in ((p, d) for p in passes for d in depths):
+            for mode, threads, depth in passes:
                 tags = {"kind": "bw", "stage": a.stage, "medium": f"stripe{len(dirs)}", "devices": len(dirs),
                         "engine": f"pykv reactor {engine}", "verify": mode, "block": FILE_BLOCK, "depth": depth,
                         **({} if threads is None else {"verify_threads": threads})}

@@ -207,7 +207,7 @@ class Runner:
         wanted, spy = os.environ.get("PYKV_PYSPY", ""), shutil.which("py-spy")
         if not wanted or wanted not in label or spy is None:
             return argv
-        out = Path(self.out or Path(self.results).parent) / f"pyspy-{label}.json"
+        out = (self.out or self.results.parent) / f"pyspy-{label}.json"
         mode = os.environ.get("PYKV_PYSPY_ARGS", "--gil").split()
         return [spy, "record", "--subprocesses", *mode, "--rate", "200", "--format", "speedscope",
                 "--output", str(out), "--", *argv]
