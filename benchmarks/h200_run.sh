@@ -94,9 +94,11 @@ done
 
 # 3b. py-spy when PYKV_PYSPY names engines to profile (runner.profiled): its wheel from .device/extra
 if [ -n "${PYKV_PYSPY:-}" ]; then
+    # its own target: pip -t skips a wheel's bin/ when the target has one already (sqlite-utils')
     found=$(ls "$REPO"/.device/extra/py_spy-*.whl 2>/dev/null | head -1)
-    if [ -n "$found" ] && python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$found"; then
-        export PATH=$WORK/deps/bin:$PATH
+    [ -n "$found" ] && python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/pyspy" "$found"
+    export PATH=$WORK/pyspy/bin:$PATH
+    if command -v py-spy >/dev/null; then
         say "py-spy from .device/extra: profiling engines whose label contains '$PYKV_PYSPY'"
     else
         say "PYKV_PYSPY: no py_spy wheel in .device/extra (or its install failed): no profiles"

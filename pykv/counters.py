@@ -161,6 +161,10 @@ class WorkerCounter(_Documented):
     H2D_BATCHES = "h2d_batches", "Host-to-GPU copy batches (loads)."
     H2D_ENTRIES = "h2d_entries", "Copy entries in those batches."
     H2D_ISSUE_US = "h2d_issue_us", "Host microseconds spent issuing them."
+    H2D_BUILD_US = "h2d_build_us", "Of the issuing, microseconds building the batched op's pointer lists."
+    H2D_OP_US = ("h2d_op_us",
+        "Of the issuing, microseconds in the batched op's call (it releases the GIL: taking it back "
+        "counts here).")
     H2D_QUEUED_US = "h2d_queued_us", "Microseconds batches waited for the copier's load thread."
     H2D_GPU_US = "h2d_gpu_us", "GPU microseconds they took (CUDA events)."
     H2D_WALL_US = "h2d_wall_us", "Wall microseconds from issue to completion."

@@ -205,7 +205,10 @@ class Runner:
         (default ``--gil``: the threads holding the GIL; ``--idle`` every thread, waiting or not), as a
         speedscope file ``pyspy-LABEL.json`` in ``--out`` (else beside the results)."""
         wanted, spy = os.environ.get("PYKV_PYSPY", ""), shutil.which("py-spy")
-        if not wanted or wanted not in label or spy is None:
+        if not wanted or wanted not in label:
+            return argv
+        if spy is None:
+            log(f"{label}: PYKV_PYSPY names it but py-spy is not on PATH: not profiled")
             return argv
         out = (self.out or self.results.parent) / f"pyspy-{label}.json"
         mode = os.environ.get("PYKV_PYSPY_ARGS", "--gil").split()

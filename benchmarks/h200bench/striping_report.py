@@ -101,7 +101,27 @@ def time_split(rows: list[dict], lengths: list[int]) -> list[str]:
         m = {k: median(v) for k, v in parts.items()}
         lines.append(f"L={length:,}: TTFT {m['ttft']:.0f} ms = survey {m['survey']:.1f} + load job {m['load']:.0f} "
                      f"+ report wait {m['wait']:.1f} + the rest {median(rest):.0f} (n={len(hits)})")
+        copier = copier_line(hits)
+        if copier:
+            lines.append(copier)
     return lines or ["no load-job counters recorded"]
+
+
+def copier_line(hits: list[dict]) -> str | None:
+    """The copier's side of those loads (medians of the worker's ``h2d_*`` deltas, ms): batches,
+    time issuing them (building pointer lists, in the batched op's call) and batches queued for its
+    thread; None where the records lack the counters."""
+    from h200bench.report import median
+
+    deltas = [r.get("worker_delta", {}) for r in hits]
+    if not all("h2d_issue_us" in d for d in deltas):
+        return None
+
+    def ms(key: str) -> float:
+        return median([d.get(key, 0) / 1e3 for d in deltas])
+    parts = f"build {ms('h2d_build_us'):.0f}, op {ms('h2d_op_us'):.0f}; " if all("h2d_op_us" in d for d in deltas) else ""
+    return (f"  the copier: {median([d.get('h2d_batches', 0) for d in deltas]):.0f} batches, issuing "
+            f"{ms('h2d_issue_us'):.0f} ms ({parts}queued for its thread {ms('h2d_queued_us'):.0f})")
 
 
 def copy_lines(records: list[dict]) -> list[str]:

@@ -26,6 +26,7 @@ thread pool, no checksum, run 13's default of 4 hashing threads."""
 
 
 def stage_s5(runner) -> None:
+    runner.phase_env()
     mnts = striping.devices(runner)
     try:
         striping.clear(runner, mnts)
