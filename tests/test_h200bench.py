@@ -454,3 +454,33 @@ def test_the_gated_sweep_line_gives_the_gates_own_cost_when_recorded():
     text, _, _ = build_report(recs)
     assert "the gate's own cost: at most 60 us, 0.20% of the better path (at 1,024 tokens)" in text
     assert "the gate's own cost" not in build_report(stripe_records())[0]
+
+
+def test_the_time_split_adds_the_copiers_side_and_the_devices_when_recorded():
+    recs = stripe_records()
+    for r in recs:
+        if r.get("kind") == "ttft" and r["label"] == "pykv-stripe8-query":
+            r.update(load_job_us=500_000, worker_delta={"h2d_batches": 100, "h2d_issue_us": 350_000,
+                                                        "h2d_build_us": 60_000, "h2d_op_us": 190_000,
+                                                        "h2d_queued_us": 200_000},
+                     disks={"loop0": {"read_bytes": 3_000_000_000, "busy_ms": 500, "read_ms": 9000},
+                            "loop1": {"read_bytes": 1_000_000_000, "busy_ms": 250, "read_ms": 3000}})
+    text, _, _ = build_report(recs)
+    assert "the copier: 100 batches, issuing 350 ms (build 60, op 190; queued for its thread 200)" in text
+    assert "the devices: busy 50%-100% of the load job, bytes 0.50-1.50x the mean per device, " \
+           "4.00-6.00 GB/s per device while busy" in text
+    assert "the copier:" not in build_report(stripe_records())[0]  # records without the counters
+
+
+def test_diskstats_gives_each_devices_reads_and_busy_time_between_snapshots(tmp_path):
+    from h200bench import diskstats
+    before = {"loop0": [10, 0, 100, 5, 0, 0, 0, 0, 0, 40, 50], "loop1": [1] * 11}
+    after = {"loop0": [20, 0, 300, 9, 0, 0, 0, 0, 0, 70, 90], "loop1": [1] * 11, "loop2": [2] * 11}
+    assert diskstats.delta(before, after) == {
+        "loop0": {"read_bytes": 200 * 512, "busy_ms": 30, "read_ms": 4},
+        "loop1": {"read_bytes": 0, "busy_ms": 0, "read_ms": 0}}  # loop2: no "before", left out
+    assert diskstats.delta({"loop0": [1, 2]}, {"loop0": [1, 2]}) == {}  # a short line: left out
+    paths = diskstats.stat_paths([str(tmp_path), str(tmp_path / "missing")])
+    assert all(p.endswith("/stat") for p in paths.values()) and len(paths) <= 1
+    snap = diskstats.snapshot(paths)
+    assert all(len(v) > diskstats.IO_TICKS for v in snap.values())

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from h200bench import diskstats
 from h200bench.settings import CHUNK, WARMUP_TOKENS
 from h200bench.stats import RECORDED, busy, load_job_fields, rank_deltas, read_stats, worker_counters
 from h200bench.util import doc_tokens, emit, expected_chunks, log, wait_files
@@ -69,15 +70,23 @@ def engine_main(config_path: str) -> int:
         log(f"settle: still busy after {timeout:.0f} s")
         return read_stats(stats_base)
 
+    extra = (cfg.get("ktc") or {}).get("kv_connector_extra_config") or {}
+    disks = diskstats.stat_paths(list(extra.get("roots") or ([extra["root"]] if extra.get("root") else [])))
+
     def measured(tokens: list[int], step: dict, *, settle_first: bool, params=sp):
         """One request with pykv's counters around it (settled first when asked): (seconds, cached
-        tokens, the output, the record's counter fields)."""
+        tokens, the output, the record's counter fields, with ``disks``: each device's reads and
+        busy time during the request)."""
         if stats_base and settle_first:
             settle(60)
-        before = read_stats(stats_base)
+        before, disks_before = read_stats(stats_base), diskstats.snapshot(disks)
         seconds, cached, out = generate(tokens, params)
+        disk_fields = diskstats.delta(disks_before, diskstats.snapshot(disks))
         time.sleep(step.get("pause", 1.0))  # deferred stores / stats catch up
-        return seconds, cached, out, counter_fields(before, read_stats(stats_base)) if stats_base else {}
+        fields = counter_fields(before, read_stats(stats_base)) if stats_base else {}
+        if disk_fields:
+            fields["disks"] = disk_fields
+        return seconds, cached, out, fields
 
     for step in cfg["steps"]:
         op = step["op"]

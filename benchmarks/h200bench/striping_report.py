@@ -101,10 +101,27 @@ def time_split(rows: list[dict], lengths: list[int]) -> list[str]:
         m = {k: median(v) for k, v in parts.items()}
         lines.append(f"L={length:,}: TTFT {m['ttft']:.0f} ms = survey {m['survey']:.1f} + load job {m['load']:.0f} "
                      f"+ report wait {m['wait']:.1f} + the rest {median(rest):.0f} (n={len(hits)})")
-        copier = copier_line(hits)
-        if copier:
-            lines.append(copier)
+        lines += [line for line in (copier_line(hits), disk_line(hits)) if line]
     return lines or ["no load-job counters recorded"]
+
+
+def disk_line(hits: list[dict]) -> str | None:
+    """The devices during those requests (``diskstats`` deltas): each device's busy time as a share
+    of the load job, its share of the bytes read, and its read rate while busy; ranges over
+    devices and requests. None where the records lack them."""
+    busy, share, rate = [], [], []
+    for r in hits:
+        disks = r.get("disks") or {}
+        total = sum(d["read_bytes"] for d in disks.values())
+        for d in disks.values():
+            busy.append(d["busy_ms"] / (r["load_job_us"] / 1e3))
+            share.append(d["read_bytes"] / total * len(disks) if total else 0.0)
+            if d["busy_ms"]:
+                rate.append(d["read_bytes"] / (d["busy_ms"] / 1e3) / 1e9)
+    if not busy:
+        return None
+    return (f"  the devices: busy {min(busy):.0%}-{max(busy):.0%} of the load job, bytes {min(share):.2f}-"
+            f"{max(share):.2f}x the mean per device, {min(rate):.2f}-{max(rate):.2f} GB/s per device while busy")
 
 
 def copier_line(hits: list[dict]) -> str | None:
