@@ -34,6 +34,8 @@ from h200bench.util import emit, log
 AGG_WHAT = "odirect_read_agg"
 COPY_WHAT = "host_copy"
 FILES_WHAT = "files_read_agg"
+ONE_RING = "io_uring-one-ring"
+"""The engine name of ``one_ring``'s passes (``--engines``): all devices through one ring."""
 FILE_BLOCK = 28 << 20  # one 256-token block of the 3B shape
 DEFAULT_CONFIGS = ((4 << 20, 16), (28 << 20, 8))
 """(request bytes, depth per device) of the read passes: the shape the device README measured."""
@@ -99,6 +101,50 @@ def together(paths: list[Path], kind: str, *, engine: str, size: int, block: int
             "per_device_gb_per_s": [round(size / (end - start) / 1e9, 3) for start, end in spans]}
 
 
+def one_ring(paths: list[Path], *, size: int, block: int, depth: int) -> dict:
+    """Like ``together`` for reads, but every device through one io_uring on one thread (the reactor's
+    shape: one ring, ``depth`` reads in flight per device) instead of a ring and a thread each."""
+    from pykv.io.backend import IoRequest, OpKind
+    from pykv.io.probe import open_backend
+    from pykv.staging import StagingPool
+
+    count, blocks = len(paths), size // block
+    pool, backend, fds = StagingPool(block, depth * count, populate=True), None, []
+    try:
+        backend = open_backend("io_uring", depth=depth * count + 2)
+        fds = [os.open(p, os.O_DIRECT | os.O_CLOEXEC | os.O_RDONLY) for p in paths]
+        free = [list(range(d * depth, (d + 1) * depth)) for d in range(count)]
+        next_block, ends = [0] * count, [0.0] * count
+        started = time.perf_counter()
+        while any(n < blocks for n in next_block) or any(len(f) < depth for f in free):
+            batch = []
+            for d in range(count):
+                while free[d] and next_block[d] < blocks:
+                    slot = free[d].pop()
+                    batch.append(IoRequest(OpKind.READ, (d, slot, next_block[d]), fd=fds[d],
+                                           address=pool.address(slot), length=block, offset=next_block[d] * block))
+                    next_block[d] += 1
+            if batch:
+                backend.submit(batch)
+            for completion in backend.wait(1):
+                d, slot, index = completion.token
+                if completion.result != block:
+                    raise OSError(f"{paths[d]}: read of block {index} returned {completion.result}")
+                free[d].append(slot)
+                if next_block[d] >= blocks and len(free[d]) == depth:
+                    ends[d] = time.perf_counter()
+        wall = max(ends) - started
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if backend is not None:
+            backend.close()
+        pool.close()
+    total = size * count
+    return {"bytes": total, "seconds": round(wall, 4), "gb_per_s": round(total / wall / 1e9, 3),
+            "per_device_gb_per_s": [round(size / (end - started) / 1e9, 3) for end in ends]}
+
+
 def host_copy(threads: int, *, size: int = 256 << 20, reps: int = 4) -> dict:
     """``threads`` threads each copying its own ``size``-byte buffer ``reps`` times, started
     together (numpy releases the GIL while it copies); bytes copied per second, all together."""
@@ -160,8 +206,12 @@ def mbw_main(a: argparse.Namespace) -> int:
                                 "devices": count, "engine": f"pykv {engine}", "block": block, "depth": depth,
                                 "rep": rep}
                         try:
-                            emit(a.results, {**tags, **together(paths[:count], "read", engine=engine, size=size,
-                                                                block=block, depth=depth)})
+                            if engine == ONE_RING:
+                                passed = one_ring(paths[:count], size=size, block=block, depth=depth)
+                            else:
+                                passed = together(paths[:count], "read", engine=engine, size=size, block=block,
+                                                  depth=depth)
+                            emit(a.results, {**tags, **passed})
                         except Exception as exc:  # noqa: BLE001 - io_uring may be refused
                             log(f"mbw {count} devices {engine}: {exc!r}")
                             emit(a.results, {**tags, "error": repr(exc)})
@@ -169,7 +219,7 @@ def mbw_main(a: argparse.Namespace) -> int:
         for path in paths:
             path.unlink(missing_ok=True)
     if a.files_size:
-        reactor_files(a, dirs, engines)
+        reactor_files(a, dirs, [e for e in engines if e != ONE_RING])
     return 0
 
 

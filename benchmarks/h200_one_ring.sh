@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 17: does one io_uring on one thread (the reactor's shape) read a set of loop devices as fast
+# as a ring and a thread per device (the O_DIRECT probe's shape)? On the H200 host, from the repo root:
+#   bash benchmarks/h200_one_ring.sh [DEVICES=8] [FILE_GIB=2]
+# Makes DEVICES ext4 loop devices on sparse images in /dev/shm, then `h200_connector.py mbw`: 28 MiB
+# O_DIRECT reads at 8 and 16 in flight per device, per-device rings against one ring (engine
+# io_uring-one-ring), three rounds interleaved, and the reactor over block files (verify header and
+# full) beside them. Records in $OUT/one_ring.jsonl; torn down at the end. Needs xxhash (.device/extra).
+set -uo pipefail
+N=${1:-8}; GIB=${2:-2}
+OUTDIR=${OUT:-/tmp/pykv-one-ring}; mkdir -p "$OUTDIR"
+DEPS=/tmp/pykv-one-ring-deps
+python3 -c 'import xxhash' 2>/dev/null || python3 -m pip install -q --no-deps --no-index -t "$DEPS" .device/extra/xxhash-*.whl
+export PYTHONPATH=$(pwd):$DEPS${PYTHONPATH:+:$PYTHONPATH}
+dirs=()
+for i in $(seq 0 $((N - 1))); do
+    img=/dev/shm/pykv-ring$i.img mnt=/mnt/pykv-ring$i
+    truncate -s $((GIB + 2))G "$img" && dev=$(losetup -f --show "$img") || exit 3
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev" && mkdir -p "$mnt" && mount "$dev" "$mnt" || exit 3
+    echo "$dev $img $mnt" >> /tmp/pykv-ring-devices
+    dirs+=("$mnt/mbw")
+done
+list=$(IFS=,; echo "${dirs[*]}")
+timeout 400 python3 benchmarks/h200_connector.py mbw --results "$OUTDIR/one_ring.jsonl" --stage one-ring --dirs "$list" \
+    --counts "$N" --configs 29360128:8,29360128:16 --engines io_uring,io_uring-one-ring --size $((GIB << 30)) \
+    --repeat 3 --files-size $((1 << 30)) --files-modes header,full --copy-threads ""
+rc=$?
+while read -r dev img mnt; do umount "$mnt"; losetup -d "$dev"; rm -f "$img"; done < /tmp/pykv-ring-devices
+rm -f /tmp/pykv-ring-devices
+python3 - "$OUTDIR/one_ring.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+groups = {}
+for r in rows:
+    if r.get("gb_per_s") is not None:
+        groups.setdefault((r["what"], r["engine"], r.get("depth"), r.get("verify")), []).append(r["gb_per_s"])
+for key, rates in sorted(groups.items(), key=str):
+    print(*[k for k in key if k is not None], f"median {statistics.median(rates):.2f} GB/s of {rates}")
+PY
+exit $rc
