@@ -5,12 +5,14 @@
 # Makes DEVICES ext4 loop devices on sparse images in /dev/shm, then `h200_connector.py mbw`: 28 MiB
 # O_DIRECT reads at 8 and 16 in flight per device, per-device rings against one ring (engine
 # io_uring-one-ring), three rounds interleaved, and the reactor over block files (verify header and
-# full) beside them. Records in $OUT/one_ring.jsonl; torn down at the end. Needs xxhash (.device/extra).
+# full) beside them. Records in $OUT/one_ring.jsonl; torn down at the end. Needs xxhash and blake3 (.device/extra).
 set -uo pipefail
 N=${1:-8}; GIB=${2:-2}
 OUTDIR=${OUT:-/tmp/pykv-one-ring}; mkdir -p "$OUTDIR"
 DEPS=/tmp/pykv-one-ring-deps
-python3 -c 'import xxhash' 2>/dev/null || python3 -m pip install -q --no-deps --no-index -t "$DEPS" .device/extra/xxhash-*.whl
+for m in xxhash blake3; do
+    python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-deps --no-index -t "$DEPS" .device/extra/$m-*.whl
+done
 export PYTHONPATH=$(pwd):$DEPS${PYTHONPATH:+:$PYTHONPATH}
 dirs=()
 for i in $(seq 0 $((N - 1))); do
