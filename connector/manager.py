@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any, Collection
 
 from pykv.auth import load_key_ring
-from pykv.calibration import BreakEvenGate
+from pykv.calibration import BreakEvenGate, most_reusable
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.fanout import FanOut, lookup_threads
@@ -151,6 +151,12 @@ class PykvManager(OffloadingManager):
         self._gate_refused = None
         self._surveyed, self._survey_tiers = req_id, {}
         tiers = self._survey_tiers
+        if self.gate is not None:
+            deciding = time.perf_counter()
+            unlooked = self.gate.refuses_any_load_of(most_reusable(groups, num_computed_tokens))
+            self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
+            if unlooked:  # shorter than every threshold: no lookup could admit it
+                return self._refuse(req_id, 0)
         self._find_tiers([key for tokens_per_block, keys in groups
                           for key in keys[num_computed_tokens // tokens_per_block:]], tiers)
         if self.gate is None:
@@ -166,9 +172,13 @@ class PykvManager(OffloadingManager):
         self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
         if decision.admitted:
             return False
+        return self._refuse(req_id, decision.hit_tokens)
+
+    def _refuse(self, req_id: str, hit_tokens: int) -> bool:
+        """The gate refused ``req_id``'s load (of ``hit_tokens`` found; 0 when refused unlooked)."""
         self._gate_refused = req_id
         self.counters[Metric.GATE_REFUSALS] += 1
-        self.counters[Metric.GATE_REFUSED_TOKENS] += decision.hit_tokens
+        self.counters[Metric.GATE_REFUSED_TOKENS] += hit_tokens
         return True
 
     def _find_tiers(self, keys: list[bytes], tiers: dict[bytes, Tier | None]) -> None:

@@ -65,7 +65,8 @@ class Metric(_Documented):
     GATE_REFUSALS = ("pykv:gate_refusals",
         "Lookups whose load the break-even gate refused (prefix below the tier's threshold).")
     GATE_REFUSED_TOKENS = ("pykv:gate_refused_tokens",
-        "Tokens the break-even gate chose to recompute instead of loading.")
+        "Tokens the break-even gate chose to recompute instead of loading (a request shorter than every "
+        "threshold is refused before any lookup and adds none).")
     PRELOAD_REQUESTS = ("pykv:preload_requests",
         "Waiting requests whose stored blocks were sent to the workers to read ahead.")
     PRELOAD_BLOCKS = ("pykv:preload_blocks",

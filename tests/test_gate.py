@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pykv.calibration import BreakEvenGate, Calibration, CalibrationError, TierCalibration, reusable_prefix
+from pykv.calibration import (BreakEvenGate, Calibration, CalibrationError, TierCalibration, most_reusable,
+                             reusable_prefix)
 
 KEYS = [bytes([i]) * 36 for i in range(8)]
 
@@ -235,6 +236,45 @@ def test_dram_and_disk_thresholds(tmp_path):
     assert lookups(m, "dram", KEYS[:2]) == [LookupResult.HIT] * 2
     m.survey_request("mixed", [(CHUNK, KEYS[:3])], 0)  # 192 tokens, one block from disk: < 1000
     assert lookups(m, "mixed", KEYS[:3]) == [LookupResult.MISS] * 3
+
+
+def test_a_request_shorter_than_every_threshold_is_refused_without_touching_the_tree(tmp_path, monkeypatch):
+    m = manager(tmp_path, dram_bytes="1M", breakeven_file=write_calibration(tmp_path / "cal.json",
+                                                                             {"disk": 1000, "dram": 150}))
+    on_disk(m, KEYS[:3])
+    stats = []
+    contains = m.devices[0].contains
+    monkeypatch.setattr(m.devices[0], "contains", lambda ns, key: stats.append(key) or contains(ns, key))
+    m.survey_request("short", [(CHUNK, KEYS[:2])], 0)  # 128 tokens at most: below both thresholds
+    assert stats == [] and lookups(m, "short", KEYS[:2]) == [LookupResult.MISS] * 2 and stats == []
+    assert m.counters[Metric.GATE_REFUSALS] == 1 and m.counters[Metric.GATE_REFUSED_TOKENS] == 0
+    m.survey_request("dram-long", [(CHUNK, KEYS[:3])], 0)  # 192 tokens could come from DRAM (>= 150): looked up
+    assert stats[:1] == [KEYS[0]]
+    assert lookups(m, "dram-long", KEYS[:3]) == [LookupResult.MISS] * 3  # on disk, 192 < 1000: refused after
+    assert m.counters[Metric.GATE_REFUSALS] == 2 and m.counters[Metric.GATE_REFUSED_TOKENS] == 192
+    stats.clear()
+    m.survey_request("gpu-hit", [(CHUNK, KEYS[:3])], 2 * CHUNK)  # 64 tokens left to load: refused unlooked
+    assert stats == [] and m.counters[Metric.GATE_REFUSALS] == 3
+    m.survey_request("done", [(CHUNK, KEYS[:2])], 2 * CHUNK)  # nothing left to load: no refusal
+    assert m.counters[Metric.GATE_REFUSALS] == 3
+
+
+def test_an_unmeasured_tier_keeps_every_request_looked_up():
+    gate = BreakEvenGate({"disk": 1000})  # DRAM not calibrated: any DRAM load is admitted
+    assert not gate.refuses_any_load_of(10)
+    gate = BreakEvenGate({"disk": 1000, "dram": 200}, margin=0.5)
+    assert gate.refuses_any_load_of(299) and not gate.refuses_any_load_of(300)
+    assert not gate.refuses_any_load_of(0)  # nothing to load: nothing refused
+    assert BreakEvenGate({"disk": math.inf, "dram": math.inf}).refuses_any_load_of(10 ** 9)
+
+
+def test_most_reusable_is_the_prefix_when_every_block_hits():
+    assert most_reusable([(64, KEYS[:4])], 0) == 256
+    assert most_reusable([(64, KEYS[:4])], 100) == 156  # from the first token not computed
+    assert most_reusable([(64, KEYS[:4]), (32, KEYS[:5])], 0) == 160  # cut at the shortest group
+    assert most_reusable([(64, KEYS[:2])], 200) == 0 and most_reusable([], 0) == 0
+    tiers = tiers_of({k: "disk" for k in KEYS[:4]})
+    assert reusable_prefix([(64, KEYS[:4])], 100, tiers)[0] == most_reusable([(64, KEYS[:4])], 100)
 
 
 @pytest.mark.parametrize("content, field", [

@@ -27,9 +27,9 @@ The package is pure: it imports neither vLLM nor typer (matplotlib only inside
 from pykv.calibration.file import IDENTITY_FIELDS, SCHEMA_KEY, SCHEMA_VERSION, Calibration, CalibrationError
 from pykv.calibration.fit import (TIERS, Point, TierCalibration, break_even_tokens, fit_tiers, median,
                                   parse_lengths, parse_tiers)
-from pykv.calibration.gate import BreakEvenGate, GateDecision, TierOf, reusable_prefix
+from pykv.calibration.gate import BreakEvenGate, GateDecision, TierOf, most_reusable, reusable_prefix
 from pykv.calibration.plot import save_plot
 
 __all__ = ["IDENTITY_FIELDS", "SCHEMA_KEY", "SCHEMA_VERSION", "TIERS", "BreakEvenGate", "Calibration",
            "CalibrationError", "GateDecision", "Point", "TierCalibration", "TierOf", "break_even_tokens",
-           "fit_tiers", "median", "parse_lengths", "parse_tiers", "reusable_prefix", "save_plot"]
+           "fit_tiers", "median", "most_reusable", "parse_lengths", "parse_tiers", "reusable_prefix", "save_plot"]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from pykv.calibration.file import Calibration, CalibrationError
+from pykv.calibration.fit import TIERS
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,15 @@ def reusable_prefix(groups: Sequence[tuple[int, Sequence[bytes]]], num_computed_
     return hit, "disk" if "disk" in used else "dram"
 
 
+def most_reusable(groups: Sequence[tuple[int, Sequence[bytes]]], num_computed_tokens: int) -> int:
+    """The most tokens a load could bring beyond ``num_computed_tokens``: ``reusable_prefix``
+    when every block hits."""
+    if not groups:
+        return 0
+    end = min(tokens_per_block * len(keys) for tokens_per_block, keys in groups)
+    return max(0, end - num_computed_tokens)
+
+
 @dataclass(frozen=True)
 class BreakEvenGate:
     """Refuses loads shorter than their tier's break-even length. Pure; no measuring.
@@ -82,6 +92,11 @@ class BreakEvenGate:
         if hit_tokens <= 0 or tier is None:
             return True
         return hit_tokens >= self.threshold(tier)
+
+    def refuses_any_load_of(self, most_tokens: int) -> bool:
+        """Whether every tier would refuse a load of at most ``most_tokens`` tokens: then no lookup
+        can change the decision, and a request that short is refused without touching the tree."""
+        return 0 < most_tokens < min(self.threshold(tier) for tier in TIERS)
 
     def decide(self, groups: Sequence[tuple[int, Sequence[bytes]]], num_computed_tokens: int,
                tier_of: TierOf) -> GateDecision:
