@@ -223,13 +223,14 @@ def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_load_va
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
     assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-depth4-query",
                        "pykv-stripe8-repeat-query", "pykv-stripe8-depth8-query", "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query",
-                       "pykv-stripe8-vt4-query"]
+                       "pykv-stripe8-vt4-query", "pykv-stripe8-scatter-query"]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
-    assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], len(c["roots"])) for c in configs] == \
-        [("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 4, 8),
-         ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 8, 8), ("full", "auto", "threadpool", 16, 8),
-         ("header", "auto", "auto", 16, 8), ("full", 4, "auto", 16, 8)]
+    assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], c["scatter_slots"], len(c["roots"]))
+            for c in configs] == \
+        [("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 4, 0, 8),
+         ("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 8, 0, 8), ("full", "auto", "threadpool", 16, 0, 8),
+         ("header", "auto", "auto", 16, 0, 8), ("full", 4, "auto", 16, 0, 8), ("full", "auto", "auto", 16, 8, 8)]
 
 
 def test_stage_s5_reports_each_query_variant_with_its_load_rate():
