@@ -339,7 +339,7 @@ class CudaCopier(TorchCopier):
             return None
         pointers = tuple(torch.tensor(column, dtype=torch.int64) for column in zip(
             *((source.data_ptr(), target.data_ptr(), source.numel()) for source, target in pairs)))
-        self._batch_op(*pointers, is_src_access_order_any=True)
+        self._batch_op(*pointers, is_src_access_order_any=False)  # in stream order, as the scratch's reuse
         return pointers
 
     def _poll(self) -> None:

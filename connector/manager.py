@@ -201,9 +201,10 @@ class PykvManager(OffloadingManager):
             tiers[key] = Tier.DISK if stored else None
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
-        """DRAM hits are pinned and served from their slot; disk hits get their atime stamped
-        (gc recency) and, with a DRAM tier, a pending slot to be promoted into."""
-        slots, resident, tiers = [], [], {}
+        """DRAM hits are pinned and served from their slot; disk hits get their atime stamped (gc
+        recency; on the lookup threads, after this returns) and, with a DRAM tier, a pending slot
+        to be promoted into."""
+        slots, resident, tiers, stamped = [], [], {}, []
         for key in keys:
             slot = self.residency.pin_hit(key)
             if slot is not None:
@@ -211,16 +212,20 @@ class PykvManager(OffloadingManager):
                 self.counters[Metric.HITS_DRAM] += 1
             else:
                 tiers[key] = Tier.DISK
-                for ns in self.rank_namespaces:
-                    self.medium.touch(self.medium.locate(ns.id, key))
+                stamped += [(ns.id, key) for ns in self.rank_namespaces]
                 self.counters[Metric.HITS_DISK] += 1
                 slot = _slot_or_none(self.residency.promotion_slot(key))
             slots.append(slot)
             resident.append(tiers[key] is Tier.DRAM)
+        self.lookups.start(self._stamp, stamped)  # off the scheduler's step: the load needs no atime
         self._preload_done(req_context.req_id)
         self._load_tiers = (req_context.req_id, tiers)
         self._write_stats()
         return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
+
+    def _stamp(self, block: tuple[str, bytes]) -> None:
+        """Stamp a disk hit's file as used now (gc and eviction recency)."""
+        self.medium.touch(self.medium.locate(*block))
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         """The tier a hit is loaded from (vLLM labels the request's cached tokens with it): host

@@ -81,3 +81,31 @@ def test_no_thread_to_be_had_runs_the_calls_inline_with_one_warning(monkeypatch,
     assert ran_on == {caller}
     assert sum("no lookup thread could be started" in r.getMessage() for r in caplog.records) == 1
     fan.close()
+
+
+def test_start_returns_before_the_calls_run_and_every_item_is_called_once(caplog):
+    fan = FanOut(4)
+    release, seen, lock = threading.Event(), [], threading.Lock()
+
+    def call(i: int) -> None:
+        assert release.wait(5)
+        if i == 3:
+            raise OSError("gone")  # logged; the others go on
+        with lock:
+            seen.append(i)
+    try:
+        fan.start(call, list(range(40)))
+        assert seen == []  # nothing ran yet: start did not wait
+        release.set()
+    finally:
+        fan.close()  # waits for what was started
+    assert sorted(seen) == [i for i in range(40) if i != 3]
+    assert "background call call failed" in caplog.text
+
+
+def test_start_of_a_short_list_runs_inline():
+    fan = FanOut(4)
+    names: list[str] = []
+    fan.start(lambda _: names.append(threading.current_thread().name), list(range(INLINE_MAX)))
+    assert names == [threading.current_thread().name] * INLINE_MAX
+    fan.close()

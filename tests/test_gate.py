@@ -259,6 +259,27 @@ def test_a_request_shorter_than_every_threshold_is_refused_without_touching_the_
     assert m.counters[Metric.GATE_REFUSALS] == 3
 
 
+def test_disk_hits_are_stamped_in_the_background_after_prepare_load(tmp_path, monkeypatch):
+    import threading
+    m = manager(tmp_path)
+    keys = [bytes([i, 3]) * 18 for i in range(20)]
+    on_disk(m, keys)
+    release, stamped = threading.Event(), []
+    touch = m.medium.touch
+
+    def slow_touch(location):
+        assert release.wait(5)
+        stamped.append(location)
+        return touch(location)
+    monkeypatch.setattr(m.medium, "touch", slow_touch)
+    spec = m.prepare_load(keys, ReqContext(req_id="r"))
+    assert len(spec.keys) == 20 and stamped == []  # returned before any stamp
+    release.set()
+    m.lookups.close()
+    assert sorted(stamped) == sorted(m.medium.locate(m.namespace.id, k) for k in keys)
+    m.shutdown()
+
+
 def test_an_unmeasured_tier_keeps_every_request_looked_up():
     gate = BreakEvenGate({"disk": 1000})  # DRAM not calibrated: any DRAM load is admitted
     assert not gate.refuses_any_load_of(10)
