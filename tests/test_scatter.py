@@ -14,10 +14,19 @@ pytest.importorskip("vllm")
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.connector.scatter import ScatterLoads, id_runs, worth_scattering  # noqa: E402
-from test_cuda_copier_threads import _memmove_op, fake_cuda  # noqa: E402, F401 - the fixture
+from pykv.connector import copier as copier_module  # noqa: E402
+from test_cuda_copier_threads import FakeCuda, _memmove_op  # noqa: E402
 
 BPC = 4
 NUM_BLOCKS = 40
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's stream and event calls stood in by fakes (as in test_cuda_copier_threads)."""
+    fake = FakeCuda()
+    monkeypatch.setattr(copier_module.torch, "cuda", fake)
+    return fake
 ONE_GROUP = BlockLayout(BPC, 64, ((RefPage(0, 64), RefPage(1, 40)),))
 TWO_GROUPS = BlockLayout(BPC, 64, ((RefPage(0, 64), RefPage(1, 40)), (RefPage(2, 24),)))
 
@@ -97,7 +106,7 @@ def run_copier(copier: CudaCopier, tasks: list[CopyTask]) -> list[bool]:
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_the_cuda_copier_sends_out_of_order_loads_through_the_scratch(fake_cuda, batched):  # noqa: F811
+def test_the_cuda_copier_sends_out_of_order_loads_through_the_scratch(fake_cuda, batched):
     tasks = tasks_for(ONE_GROUP, ORDERS["descending"] + [(0, [11, 10, 9, 8], 0)])  # 16 runs over 4 tasks
     tensors = kv_tensors()
     copier = CudaCopier(tensors, ONE_GROUP, streams=1, batched=False, scatter_slots=3)
@@ -109,7 +118,7 @@ def test_the_cuda_copier_sends_out_of_order_loads_through_the_scratch(fake_cuda,
         assert torch.equal(got, want)
 
 
-def test_ascending_loads_are_copied_straight_and_no_scratch_is_made(fake_cuda):  # noqa: F811
+def test_ascending_loads_are_copied_straight_and_no_scratch_is_made(fake_cuda):
     tasks = tasks_for(ONE_GROUP, ORDERS["ascending"])
     tensors = kv_tensors()
     copier = CudaCopier(tensors, ONE_GROUP, streams=1, batched=False, scatter_slots=3)
@@ -119,7 +128,7 @@ def test_ascending_loads_are_copied_straight_and_no_scratch_is_made(fake_cuda): 
         assert torch.equal(got, want)
 
 
-def test_no_device_memory_for_the_scratch_copies_straight_from_then_on(fake_cuda, monkeypatch, caplog):  # noqa: F811
+def test_no_device_memory_for_the_scratch_copies_straight_from_then_on(fake_cuda, monkeypatch, caplog):
     tasks = tasks_for(ONE_GROUP, ORDERS["descending"])
     tensors = kv_tensors()
     copier = CudaCopier(tensors, ONE_GROUP, streams=1, batched=False, scatter_slots=3)
