@@ -95,6 +95,24 @@ def _memmove_op(src, dst, sizes, *, is_src_access_order_any: bool) -> None:
         ctypes.memmove(int(d), int(s), int(n))
 
 
+def load_all(copier: CudaCopier, tasks: list[CopyTask]) -> list[bool]:
+    """``tasks`` as one ``from_slots`` call; each task's ``ok``, in the order they ended (the copier
+    closed afterwards)."""
+    ended: list[bool] = []
+    all_done = threading.Event()
+
+    def done(task: CopyTask, ok: bool) -> None:
+        ended.append(ok)
+        if len(ended) == len(tasks):
+            all_done.set()
+    try:
+        copier.from_slots(tasks, done)
+        assert all_done.wait(10)
+    finally:
+        copier.close()
+    return ended
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_queued_batches_go_out_and_each_task_ends_once(fake_cuda, batched):
     tensors, expected = _kv(), _kv()
@@ -130,21 +148,7 @@ def test_a_failed_issue_fails_every_task_of_the_batch(fake_cuda):
         raise RuntimeError("cuMemcpyBatchAsync failed")
 
     copier._batch_op = broken
-    tasks = _tasks(2)
-    ended: list[bool] = []
-    all_done = threading.Event()
-
-    def done(task: CopyTask, ok: bool) -> None:
-        ended.append(ok)
-        if len(ended) == len(tasks):
-            all_done.set()
-
-    try:
-        copier.from_slots(tasks, done)
-        assert all_done.wait(10)
-    finally:
-        copier.close()
-    assert ended == [False, False]
+    assert load_all(copier, _tasks(2)) == [False, False]
 
 
 def test_close_issues_what_was_queued(fake_cuda):

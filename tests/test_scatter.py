@@ -3,8 +3,6 @@ any order of GPU block ids, on CPU tensors; CudaCopier's use of it with CUDA's c
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -15,7 +13,7 @@ from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier  # noqa: E40
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.connector.scatter import ScatterLoads, id_runs, worth_scattering  # noqa: E402
 from pykv.connector import copier as copier_module  # noqa: E402
-from test_cuda_copier_threads import FakeCuda, _memmove_op  # noqa: E402
+from test_cuda_copier_threads import FakeCuda, _memmove_op, load_all  # noqa: E402
 
 BPC = 4
 NUM_BLOCKS = 40
@@ -89,22 +87,6 @@ def test_only_out_of_order_batches_are_worth_the_scratch():
     assert not worth_scattering([])
 
 
-def run_copier(copier: CudaCopier, tasks: list[CopyTask]) -> list[bool]:
-    ended: list[bool] = []
-    all_done = threading.Event()
-
-    def done(task: CopyTask, ok: bool) -> None:
-        ended.append(ok)
-        if len(ended) == len(tasks):
-            all_done.set()
-    try:
-        copier.from_slots(tasks, done)
-        assert all_done.wait(10)
-    finally:
-        copier.close()
-    return ended
-
-
 @pytest.mark.parametrize("batched", [False, True])
 def test_the_cuda_copier_sends_out_of_order_loads_through_the_scratch(fake_cuda, batched):
     tasks = tasks_for(ONE_GROUP, ORDERS["descending"] + [(0, [11, 10, 9, 8], 0)])  # 16 runs over 4 tasks
@@ -112,7 +94,7 @@ def test_the_cuda_copier_sends_out_of_order_loads_through_the_scratch(fake_cuda,
     copier = CudaCopier(tensors, ONE_GROUP, streams=1, batched=False, scatter_slots=3)
     if batched:
         copier._batch_op = _memmove_op  # the bulk copies as pointer lists, as vLLM's op takes them
-    assert run_copier(copier, tasks) == [True] * len(tasks)
+    assert load_all(copier, tasks) == [True] * len(tasks)
     assert copier.stats["h2d_scatter_batches"] == 1 and copier.stats["h2d_entries"] == len(tasks)
     for got, want in zip(tensors, straight(ONE_GROUP, tasks)):
         assert torch.equal(got, want)
@@ -122,7 +104,7 @@ def test_ascending_loads_are_copied_straight_and_no_scratch_is_made(fake_cuda):
     tasks = tasks_for(ONE_GROUP, ORDERS["ascending"])
     tensors = kv_tensors()
     copier = CudaCopier(tensors, ONE_GROUP, streams=1, batched=False, scatter_slots=3)
-    assert run_copier(copier, tasks) == [True] * len(tasks)
+    assert load_all(copier, tasks) == [True] * len(tasks)
     assert "h2d_scatter_batches" not in copier.stats and copier._scatter._scratch is None
     for got, want in zip(tensors, straight(ONE_GROUP, tasks)):
         assert torch.equal(got, want)
@@ -136,7 +118,7 @@ def test_no_device_memory_for_the_scratch_copies_straight_from_then_on(fake_cuda
     def out_of_memory() -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(copier._scatter, "scratch", out_of_memory)
-    assert run_copier(copier, tasks) == [True] * len(tasks)
+    assert load_all(copier, tasks) == [True] * len(tasks)
     assert copier._scatter is None and "no device memory for 3 scatter slots" in caplog.text
     for got, want in zip(tensors, straight(ONE_GROUP, tasks)):
         assert torch.equal(got, want)
