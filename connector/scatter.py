@@ -61,7 +61,7 @@ class ScatterLoads:
                                         device=self.tensors[0].device)
         return self._scratch
 
-    def issue(self, tasks: Sequence) -> list[torch.Tensor]:
+    def issue(self, tasks: Sequence) -> list:
         """Queue every byte of ``tasks`` (loads) on the current stream; returns what must live until
         the stream has run it (the bulk copies' pointer lists, the index tensors)."""
         keep: list = []
@@ -77,7 +77,8 @@ class ScatterLoads:
         """Up to ``slots`` tasks of one group: their payloads into the scratch, then per ref one
         gather of their rows and one ``index_copy_`` into the KV tensor."""
         payload = self.layout.geometry(group).payload_length
-        copied = self._bulk_copy([(t.payload[:payload], scratch[i * self.payload_bytes:i * self.payload_bytes + payload])
+        size = self.payload_bytes
+        copied = self._bulk_copy([(t.payload[:payload], scratch[i * size:i * size + payload])
                                   for i, t in enumerate(members)])
         counts = np.array([len(t.gpu_ids) for t in members], dtype=np.int64)
         which = np.repeat(np.arange(len(members), dtype=np.int64), counts)  # task of each row
@@ -89,7 +90,7 @@ class ScatterLoads:
         which_d, rows_d, ids_d = (torch.from_numpy(a).to(device, non_blocking=True) for a in (which, rows, ids))
         bpc = self.layout.blocks_per_chunk
         for ref, offset in zip(self.layout.groups[group], self.layout.offsets(group)):
-            pages = scratch.as_strided((len(members), bpc, ref.page_bytes), (self.payload_bytes, ref.page_bytes, 1),
+            pages = scratch.as_strided((len(members), bpc, ref.page_bytes), (size, ref.page_bytes, 1),
                                        scratch.storage_offset() + offset)
             kv = self.tensors[ref.tensor]
             if kv.shape[1] != ref.page_bytes:

@@ -70,14 +70,16 @@ class FanOut:
         if len(items) <= INLINE_MAX or self.threads == 1:
             _each(call, items)
             return
-        share = self.threads
-        try:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
-            for i in range(share):
-                self._pool.submit(_each, call, items[i::share])
-        except RuntimeError:  # no thread: as map does
-            _each(call, items)
+        parts = [items[i::self.threads] for i in range(self.threads)]
+        for started, part in enumerate(parts):
+            try:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
+                self._pool.submit(_each, call, part)
+            except RuntimeError:  # no thread: what is not handed over runs here, as map does
+                for rest in parts[started:]:
+                    _each(call, rest)
+                return
 
     def close(self) -> None:
         if self._pool is not None:

@@ -109,3 +109,24 @@ def test_start_of_a_short_list_runs_inline():
     fan.start(lambda _: names.append(threading.current_thread().name), list(range(INLINE_MAX)))
     assert names == [threading.current_thread().name] * INLINE_MAX
     fan.close()
+
+
+def test_start_runs_here_what_it_could_not_hand_to_a_thread_and_each_item_once(monkeypatch):
+    import concurrent.futures
+    submit, handed = concurrent.futures.ThreadPoolExecutor.submit, []
+
+    def second_refused(self, *args, **kwargs):
+        if handed:
+            raise RuntimeError("can't start new thread")
+        handed.append(1)
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", second_refused)
+    fan, seen, lock = FanOut(4), [], threading.Lock()
+
+    def call(i: int) -> None:
+        with lock:
+            seen.append(i)
+    fan.start(call, list(range(40)))
+    fan.close()
+    assert sorted(seen) == list(range(40))  # one part on a thread, the other three here, none twice
