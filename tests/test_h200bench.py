@@ -485,3 +485,16 @@ def test_diskstats_gives_each_devices_reads_and_busy_time_between_snapshots(tmp_
     assert all(p.endswith("/stat") for p in paths.values()) and len(paths) <= 1
     snap = diskstats.snapshot(paths)
     assert all(len(v) > diskstats.IO_TICKS for v in snap.values())
+
+
+def test_stage_s5_sets_each_engines_first_load_of_a_length_beside_its_second():
+    from h200bench.verify_stage import block_order_lines
+    recs = []
+    for variant, first, second in (("defaults", 0.60, 0.65), ("scatter", 0.61, 0.60)):
+        for ttft, entries in ((first, 10_560), (second, 141_680 if variant == "defaults" else 320)):
+            recs.append({"kind": "ttft", "stage": "S5", "label": f"pykv-stripe8-{variant}-query", "system": "pykv",
+                         "variant": variant, "phase": "query", "length": 81920, "ttft": ttft,
+                         "worker_delta": {"delivered_blocks": 320, "h2d_entries": entries}})
+    recs.append({**recs[0], "length": 8192, "worker_delta": {}})  # no copier counters: left out
+    assert block_order_lines(recs, ["defaults", "scatter"]) == [
+        "L=81,920: defaults 0.600 s (33) / 0.650 s (443), scatter 0.610 s (33) / 0.600 s (1)"]

@@ -89,5 +89,39 @@ def build(records: list[dict]) -> Section | None:
                 parts.append(f"{variant} {hit:.3f} s" + (f" (load {fmt_rates(rates)} GB/s)" if rates else ""))
         lines.append(f"L={length:,}: " + ", ".join(parts))
     s.lines("disk-hit TTFT per query variant (medians):", lines)
+    order = block_order_lines(ttft, variants)
+    if order:
+        s.lines("each engine's first and second load of a length (GPU blocks ascending, then the ones "
+                "the first freed; copy entries per storage block):", order)
     s.summary = {"lines": lines}
     return s
+
+
+def block_order_lines(ttft: list[dict], variants: list[str]) -> list[str]:
+    """Per length and variant, the engines' first loads of the length against their second ones
+    (TTFT, medians over engines, and the copy entries per storage block the worker counted): vLLM
+    hands the second load the blocks the first freed, in descending order (run 16)."""
+    from h200bench.report import median
+
+    seen: dict[tuple[str, int], int] = {}
+    turns: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
+    for r in ttft:  # records in the order the engine ran them
+        blocks = r.get("worker_delta", {}).get("delivered_blocks") or r.get("load_blocks_disk")
+        entries = r.get("worker_delta", {}).get("h2d_entries")
+        if not blocks or entries is None:
+            continue
+        turn = seen[(r["label"], r["length"])] = seen.get((r["label"], r["length"]), 0) + 1
+        turns.setdefault((r["length"], r.get("variant"), min(turn, 2)), []).append((r["ttft"], entries / blocks))
+    lines = []
+    for length in sorted({key[0] for key in turns}):
+        parts = []
+        for variant in variants:
+            cells = []
+            for turn in (1, 2):
+                got = turns.get((length, variant, turn))
+                if got:
+                    cells.append(f"{median([t for t, _ in got]):.3f} s ({median([e for _, e in got]):.0f})")
+            if cells:
+                parts.append(f"{variant} " + " / ".join(cells))
+        lines.append(f"L={length:,}: " + ", ".join(parts))
+    return lines
