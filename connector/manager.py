@@ -139,8 +139,9 @@ class PykvManager(OffloadingManager):
         once when its first block is stored (the disk checks on ``lookups``' threads; ``lookup`` then
         answers from them); with a gate, refuse its load if the reusable prefix is below its tier's
         break-even length (``lookup`` then answers MISS for it and vLLM recomputes)."""
-        began = time.perf_counter()
+        began, self.timing[SchedulerCounter.SURVEY_BEGAN_NS] = time.perf_counter(), time.time_ns()
         refused = self._survey(req_id, groups, num_computed_tokens)
+        self.timing[SchedulerCounter.SURVEY_ENDED_NS] = time.time_ns()
         self.timing[SchedulerCounter.SURVEYS] += 1
         self.timing[SchedulerCounter.SURVEY_US] += int((time.perf_counter() - began) * 1e6)
         if refused:
@@ -220,6 +221,7 @@ class PykvManager(OffloadingManager):
         self.lookups.start(self._stamp, stamped)  # off the scheduler's step: the load needs no atime
         self._preload_done(req_context.req_id)
         self._load_tiers = (req_context.req_id, tiers)
+        self.timing[SchedulerCounter.LOAD_PLANNED_NS] = time.time_ns()
         self._write_stats()
         return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
 

@@ -110,6 +110,7 @@ class PykvWorker(OffloadingWorker):
     # -- vLLM API ------------------------------------------------------------------------------
     def submit_load(self, job_id: int, src_spec: PykvLoadSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
+        self.counters[WorkerCounter.LOAD_SUBMITTED_NS] = time.time_ns()
         try:
             chunks = self._chunks(dst_spec, src_spec.keys, src_spec.dram_slots, src_spec.resident, store=False)
         except ValueError as exc:
@@ -160,6 +161,7 @@ class PykvWorker(OffloadingWorker):
                 ended = self._load_ended.pop(id(result), None)
                 if ended is not None:
                     self.counters[WorkerCounter.LOAD_REPORT_WAIT_US] += int((now - ended) * 1e6)
+                    self.counters[WorkerCounter.LOAD_REPORTED_NS] = time.time_ns()
                 self._failed_blocks.update(failed_ids)
                 if failed_ids:
                     self._failed_jobs.add(result.job_id)
@@ -299,6 +301,7 @@ class PykvWorker(OffloadingWorker):
                 self._finished.append((result, failed_ids, report))
                 if end.kind is Kind.LOAD:
                     self._load_ended[id(result)] = time.monotonic()
+                    self.counters[WorkerCounter.LOAD_ENDED_NS] = time.time_ns()
         if end.released:
             # An idle engine stops calling get_finished once it has every job, so the end of these
             # writes is written out here (calibrate's settle step waits for it).

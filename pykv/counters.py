@@ -100,6 +100,12 @@ class SchedulerCounter(_Documented):
     GATE_US = ("gate_us",
         "Of that, microseconds the break-even gate spent deciding (with breakeven_file): what the gate "
         "itself adds to a request beside the lookups every engine makes.")
+    SURVEY_BEGAN_NS = ("survey_began_ns",
+        "When the latest survey began (a gauge: wall-clock nanoseconds since the epoch, comparable "
+        "across the engine's processes).")
+    SURVEY_ENDED_NS = "survey_ended_ns", "When it ended (a gauge, as above)."
+    LOAD_PLANNED_NS = ("load_planned_ns",
+        "When the scheduler last planned a load (``prepare_load`` returned; a gauge, as above).")
 
 
 class WorkerCounter(_Documented):
@@ -140,6 +146,11 @@ class WorkerCounter(_Documented):
     LOAD_REPORT_WAIT_US = ("load_report_wait_us",
         "Microseconds from a load job's end to vLLM collecting it (``get_finished``), summed: time a "
         "request waits after its KV is in place until vLLM's next poll.")
+    LOAD_SUBMITTED_NS = ("load_submitted_ns",
+        "When vLLM last submitted a load job to this worker (a gauge: wall-clock nanoseconds since the "
+        "epoch, comparable with the scheduler's ``*_ns``).")
+    LOAD_ENDED_NS = "load_ended_ns", "When the latest load job ended (a gauge, as above)."
+    LOAD_REPORTED_NS = "load_reported_ns", "When vLLM last collected an ended load job (a gauge, as above)."
     # the reactor's
     DISK_READS = "disk_reads", "Block reads started (demand and preload)."
     DISK_READ_BYTES = "disk_read_bytes", "Their bytes."
@@ -163,6 +174,7 @@ class WorkerCounter(_Documented):
     H2D_ENTRIES = "h2d_entries", "Copy entries in those batches."
     H2D_ISSUE_US = "h2d_issue_us", "Host microseconds spent issuing them."
     H2D_BUILD_US = "h2d_build_us", "Of the issuing, microseconds building the batched op's pointer lists."
+    H2D_SCATTER_BATCHES = "h2d_scatter_batches", "Of those batches, the ones sent through the scatter_slots scratch."
     H2D_OP_US = ("h2d_op_us",
         "Of the issuing, microseconds in the batched op's call (it releases the GIL: taking it back "
         "counts here).")

@@ -621,3 +621,5 @@ def test_a_load_counts_the_time_from_its_end_until_vllm_collects_it(rig):
     assert [r.job_id for r in worker.get_finished()] == [2]
     assert worker.counters["load_report_wait_us"] >= 150_000  # at least the 0.2 s it sat uncollected
     assert worker.get_finished() == [] and worker.counters["load_report_wait_us"] < 20_000_000
+    steps = [worker.counters[k] for k in ("load_submitted_ns", "load_ended_ns", "load_reported_ns")]
+    assert manager.timing["load_planned_ns"] <= steps[0] <= steps[1] <= steps[2] - 150_000_000  # wall-clock gauges

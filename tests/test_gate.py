@@ -259,6 +259,18 @@ def test_a_request_shorter_than_every_threshold_is_refused_without_touching_the_
     assert m.counters[Metric.GATE_REFUSALS] == 3
 
 
+def test_the_survey_and_the_plan_leave_their_wall_clock_times_in_the_counter_file(tmp_path):
+    import time
+    m = manager(tmp_path)
+    on_disk(m, KEYS[:3])
+    began = time.time_ns()
+    m.survey_request("r", [(CHUNK, KEYS[:3])], 0)
+    m.prepare_load(KEYS[:3], ReqContext(req_id="r"))
+    t = m.timing
+    assert began <= t["survey_began_ns"] <= t["survey_ended_ns"] <= t["load_planned_ns"] <= time.time_ns()
+    m.shutdown()
+
+
 def test_disk_hits_are_stamped_in_the_background_after_prepare_load(tmp_path, monkeypatch):
     import threading
     m = manager(tmp_path)

@@ -498,3 +498,29 @@ def test_stage_s5_sets_each_engines_first_load_of_a_length_beside_its_second():
     recs.append({**recs[0], "length": 8192, "worker_delta": {}})  # no copier counters: left out
     assert block_order_lines(recs, ["defaults", "scatter"]) == [
         "L=81,920: defaults 0.600 s (33) / 0.650 s (443), scatter 0.610 s (33) / 0.600 s (1)"]
+
+
+def test_a_ttft_record_places_its_loads_steps_inside_the_request():
+    from h200bench.engine import timeline
+    t0 = 1_000_000_000_000
+    before = {"scheduler": {"survey_began_ns": t0 - 5_000_000}, "worker0": {"load_ended_ns": t0 - 1}}
+    after = {"scheduler": {"survey_began_ns": t0 + 2_000_000, "survey_ended_ns": t0 + 14_000_000,
+                           "load_planned_ns": t0 + 15_000_000, "surveys": 3},
+             "worker0": {"load_submitted_ns": t0 + 20_000_000, "load_ended_ns": t0 + 540_000_000,
+                         "load_reported_ns": t0 + 541_000_000, "load_jobs": 2},
+             "worker1": {"load_ended_ns": t0 + 545_000_000}}
+    window = (t0, t0 + 620_000_000)
+    assert timeline(after, window) == {"survey_began": 2.0, "survey_ended": 14.0, "load_planned": 15.0,
+                                       "load_submitted": 20.0, "load_ended": 545.0, "load_reported": 541.0,
+                                       "first_token": 620.0}  # a worker step: the latest rank's
+    assert timeline(before, window) == {}  # earlier requests' steps: none of this one's
+    fields = counter_fields(before, after, window=window)
+    assert fields["timeline"]["load_ended"] == 545.0
+    assert not any(k.endswith("_ns") for k in fields["worker_delta"]) and "surveys" in fields["scheduler_delta"]
+    assert not any(k.endswith("_ns") for k in fields["scheduler_delta"])
+    recs = stripe_records()
+    for r in recs:
+        if r.get("kind") == "ttft" and r["label"] == "pykv-stripe8-query":
+            r.update(load_job_us=500_000, timeline=fields["timeline"])
+    assert "the steps, ms from the request: survey began 2.0, ended 14.0, load planned 15.0, at the worker " \
+           "20.0, loaded 545.0, collected 541.0, first token 620.0" in build_report(recs)[0]

@@ -80,10 +80,12 @@ def engine_main(config_path: str) -> int:
         if stats_base and settle_first:
             settle(60)
         before, disks_before = read_stats(stats_base), diskstats.snapshot(disks)
+        began_ns = time.time_ns()
         seconds, cached, out = generate(tokens, params)
+        window = (began_ns, time.time_ns())
         disk_fields = diskstats.delta(disks_before, diskstats.snapshot(disks))
         time.sleep(step.get("pause", 1.0))  # deferred stores / stats catch up
-        fields = counter_fields(before, read_stats(stats_base)) if stats_base else {}
+        fields = counter_fields(before, read_stats(stats_base), window=window) if stats_base else {}
         if disk_fields:
             fields["disks"] = disk_fields
         return seconds, cached, out, fields
@@ -142,17 +144,40 @@ def engine_main(config_path: str) -> int:
 GAUGES = ("staging_bytes", "staging_huge_bytes")
 """Worker counters a TTFT record carries as values: the staging pool and its share on huge pages."""
 
+TIMELINE = (("survey_began", "scheduler", "survey_began_ns"), ("survey_ended", "scheduler", "survey_ended_ns"),
+            ("load_planned", "scheduler", "load_planned_ns"), ("load_submitted", "worker", "load_submitted_ns"),
+            ("load_ended", "worker", "load_ended_ns"), ("load_reported", "worker", "load_reported_ns"))
+"""(name, process, wall-clock gauge) of the steps of a request's load, in their order."""
 
-def counter_fields(stats_before: dict, stats_after: dict) -> dict:
+
+def timeline(stats: dict, window: tuple[int, int]) -> dict[str, float]:
+    """Each ``TIMELINE`` step that fell inside ``window`` (the request's wall-clock nanoseconds), in
+    ms from its start (a worker step: the latest rank's), and ``first_token`` at the window's end."""
+    began, ended = window
+    steps: dict[str, float] = {}
+    for name, process, gauge in TIMELINE:
+        values = [c[gauge] for role, c in stats.items() if role.startswith(process) and gauge in c]
+        if values and began <= max(values) <= ended:
+            steps[name] = round((max(values) - began) / 1e6, 2)
+    if steps:
+        steps["first_token"] = round((ended - began) / 1e6, 2)
+    return steps
+
+
+def counter_fields(stats_before: dict, stats_after: dict, *, window: tuple[int, int] | None = None) -> dict:
     """A TTFT record's counter fields: the recorded worker deltas (summed over ranks, and per rank
     when there are several), every changed worker and scheduler counter, and pykv's load seconds
-    and bandwidth."""
+    and bandwidth; with ``window`` (the request's wall-clock span), its load's ``timeline``."""
     before, after = worker_counters(stats_before), worker_counters(stats_after)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if not k.endswith("_ns")}
     fields: dict = {str(key): delta.get(key, 0) for key in RECORDED}
     fields["worker_delta"] = {k: v for k, v in sorted(delta.items()) if v}
     sb, sa = stats_before.get("scheduler", {}), stats_after.get("scheduler", {})
-    fields["scheduler_delta"] = {k: sa[k] - sb.get(k, 0) for k in sorted(sa) if sa[k] != sb.get(k, 0)}
+    fields["scheduler_delta"] = {k: sa[k] - sb.get(k, 0) for k in sorted(sa)
+                                 if sa[k] != sb.get(k, 0) and not k.endswith("_ns")}
+    steps = timeline(stats_after, window) if window else {}
+    if steps:
+        fields["timeline"] = steps
     ranks = rank_deltas(stats_before, stats_after)
     if len(ranks) > 1:
         fields["per_rank"] = ranks

@@ -101,8 +101,27 @@ def time_split(rows: list[dict], lengths: list[int]) -> list[str]:
         m = {k: median(v) for k, v in parts.items()}
         lines.append(f"L={length:,}: TTFT {m['ttft']:.0f} ms = survey {m['survey']:.1f} + load job {m['load']:.0f} "
                      f"+ report wait {m['wait']:.1f} + the rest {median(rest):.0f} (n={len(hits)})")
-        lines += [line for line in (copier_line(hits), disk_line(hits)) if line]
+        lines += [line for line in (copier_line(hits), disk_line(hits), timeline_line(hits)) if line]
     return lines or ["no load-job counters recorded"]
+
+
+STEP_NAMES = (("survey_began", "survey began"), ("survey_ended", "ended"), ("load_planned", "load planned"),
+              ("load_submitted", "at the worker"), ("load_ended", "loaded"), ("load_reported", "collected"),
+              ("first_token", "first token"))
+
+
+def timeline_line(hits: list[dict]) -> str | None:
+    """When each step of those requests' loads happened, ms from the request (medians of the
+    records' ``timeline``); None where the records lack it."""
+    from h200bench.report import median
+
+    steps = [r["timeline"] for r in hits if r.get("timeline")]
+    parts = []
+    for key, name in STEP_NAMES:
+        at = median([s[key] for s in steps if key in s])
+        if at is not None:
+            parts.append(f"{name} {at:.1f}")
+    return f"  the steps, ms from the request: {', '.join(parts)}" if parts else None
 
 
 def disk_line(hits: list[dict]) -> str | None:
