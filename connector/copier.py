@@ -40,7 +40,7 @@ import torch
 from pykv.connector import compat
 from pykv.connector.descriptors import copy_descriptors
 from pykv.connector.layout import BlockLayout
-from pykv.connector.scatter import ScatterLoads, worth_scattering
+from pykv.connector.scatter import ScatterLoads, copy_each, worth_scattering
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +334,7 @@ class CudaCopier(TorchCopier):
         """Each (slot payload, scratch region) pair on the current stream: one batched op call, or
         torch copies where the op is missing; returns what must live until they ran."""
         if self._batch_op is None:
-            for source, target in pairs:
-                target.copy_(source, non_blocking=True)
-            return None
+            return copy_each(pairs)
         pointers = tuple(torch.tensor(column, dtype=torch.int64) for column in zip(
             *((source.data_ptr(), target.data_ptr(), source.numel()) for source, target in pairs)))
         self._batch_op(*pointers, is_src_access_order_any=False)  # in stream order, as the scratch's reuse

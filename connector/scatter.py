@@ -50,7 +50,7 @@ class ScatterLoads:
         self.tensors, self.layout = list(tensors), layout
         self.payload_bytes = max(layout.geometry(g).payload_length for g in range(len(layout.groups)))
         self.slots = max(1, slots)
-        self._bulk_copy = bulk_copy or _copy_each
+        self._bulk_copy = bulk_copy or copy_each
         self._scratch: torch.Tensor | None = None
 
     def scratch(self) -> torch.Tensor:
@@ -99,6 +99,7 @@ class ScatterLoads:
         return [copied, which_d, rows_d, ids_d]
 
 
-def _copy_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (source, target) pair as one torch copy on the current stream (no batched op)."""
     for source, target in pairs:
         target.copy_(source, non_blocking=True)

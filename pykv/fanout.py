@@ -50,9 +50,8 @@ class FanOut:
         share = self.threads
         parts = [items[i::share] for i in range(share)]  # interleaved: each thread gets every device
         try:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
-            futures = [self._pool.submit(lambda part=part: [call(item) for item in part]) for part in parts]
+            pool = self._executor()
+            futures = [pool.submit(lambda part=part: [call(item) for item in part]) for part in parts]
         except RuntimeError as exc:  # "can't start new thread", "cannot schedule new futures after shutdown"
             if not self._inline_noted:
                 log.warning("pykv: lookups run one after another: no lookup thread could be started (%s)", exc)
@@ -73,13 +72,17 @@ class FanOut:
         parts = [items[i::self.threads] for i in range(self.threads)]
         for started, part in enumerate(parts):
             try:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
-                self._pool.submit(_each, call, part)
+                self._executor().submit(_each, call, part)
             except RuntimeError:  # no thread: what is not handed over runs here, as map does
                 for rest in parts[started:]:
                     _each(call, rest)
                 return
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The threads, started on first use (``RuntimeError`` where none can be started)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=THREAD_PREFIX)
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:

@@ -156,9 +156,9 @@ def timeline(stats: dict, window: tuple[int, int]) -> dict[str, float]:
     began, ended = window
     steps: dict[str, float] = {}
     for name, process, gauge in TIMELINE:
-        values = [c[gauge] for role, c in stats.items() if role.startswith(process) and gauge in c]
-        if values and began <= max(values) <= ended:
-            steps[name] = round((max(values) - began) / 1e6, 2)
+        at = max((c[gauge] for role, c in stats.items() if role.startswith(process) and gauge in c), default=None)
+        if at is not None and began <= at <= ended:
+            steps[name] = round((at - began) / 1e6, 2)
     if steps:
         steps["first_token"] = round((ended - began) / 1e6, 2)
     return steps
