@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from h200bench.ceiling import MODES as CEILING_MODES, ceiling_pass
 from h200bench.util import emit, log
 
 AGG_WHAT = "odirect_read_agg"
@@ -208,6 +209,8 @@ def mbw_main(a: argparse.Namespace) -> int:
                         try:
                             if engine == ONE_RING:
                                 passed = one_ring(paths[:count], size=size, block=block, depth=depth)
+                            elif engine in CEILING_MODES:
+                                passed = ceiling_pass(paths[:count], engine, size=size, block=block, depth=depth)
                             else:
                                 passed = together(paths[:count], "read", engine=engine, size=size, block=block,
                                                   depth=depth)
@@ -219,7 +222,7 @@ def mbw_main(a: argparse.Namespace) -> int:
         for path in paths:
             path.unlink(missing_ok=True)
     if a.files_size:
-        reactor_files(a, dirs, [e for e in engines if e != ONE_RING])
+        reactor_files(a, dirs, [e for e in engines if e != ONE_RING and e not in CEILING_MODES])
     return 0
 
 
@@ -272,7 +275,8 @@ def add_mbw_parser(sub) -> None:
     p.add_argument("--dirs", required=True, help="comma-separated directories, one per device")
     p.add_argument("--counts", default="1", help="device counts to read at once (the first N directories)")
     p.add_argument("--configs", help="REQUEST_BYTES:DEPTH,... (default 4 MiB:16, 28 MiB:8)")
-    p.add_argument("--engines", default="io_uring,threadpool")
+    p.add_argument("--engines", default="io_uring,threadpool",
+                   help=f"read engines: pykv backends, {ONE_RING}, {', '.join(CEILING_MODES)} (h200bench.ceiling)")
     p.add_argument("--size", type=int, default=2 << 30, help="bytes of each device's file")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--files-size", type=int, default=1 << 30,
