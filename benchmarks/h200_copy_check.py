@@ -4,9 +4,8 @@ For the Llama-3.2-3B shape (16 blocks of 16 tokens per 256-token storage block;
 one cross-layer page of 16 x 114,688 bytes per GPU block, or 28 per-layer pages
 of 64 KiB as vLLM 0.26 lays them out with FLASH_ATTN) it loads ``--chunks``
 storage blocks from page-locked staging slots into a KV tensor with
-``CudaCopier`` three times - vLLM's batched copy op, torch copies (gather and
-``index_copy_``), and the batched op with ``scatter_slots`` (out-of-order loads
-through a device scratch) - in the same run, checks every byte against the slot, and
+``CudaCopier`` twice - vLLM's batched copy op, then torch copies (gather and
+``index_copy_``) - in the same run, checks every byte against the slot, and
 prints GB/s of each, next to one plain pinned H2D copy of the same bytes.
 A packed cross-layer tensor, one with padded rows and 28 per-layer tensors are
 tried. One JSON line per
@@ -60,11 +59,6 @@ def move_all(copier: CudaCopier, tasks: list[CopyTask], batch: int, *, store: bo
     return seconds
 
 
-SCATTER_SLOTS = 8
-"""The third copier of each shape on CUDA: ``scatter_slots`` (out-of-order loads through a device
-scratch; ascending ones still go straight)."""
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunks", type=int, default=64, help="storage blocks in staging (28 MiB each)")
@@ -107,11 +101,9 @@ def main() -> int:
         print(f"plain pinned H2D, {slot_bytes >> 20} MiB copies: {h2d:.1f} GB/s")
         out.write(json.dumps({"what": "h2d_28MiB", "gb_per_s": round(h2d, 2)}) + "\n")
     for shape, (layout, tensors) in shapes.items():
-        for batched, scatter in ((True, 0), (False, 0), (True, SCATTER_SLOTS)) if cuda else ((False, 0),):
-            copier = (CudaCopier(tensors, layout, batched=batched, scatter_slots=scatter) if cuda
-                      else TorchCopier(tensors, layout))
+        for batched in (True, False) if cuda else (False,):
+            copier = CudaCopier(tensors, layout, batched=batched) if cuda else TorchCopier(tensors, layout)
             kind = "batched op" if getattr(copier, "_batch_op", None) is not None else "torch copies"
-            kind += f", scatter {scatter}" if scatter else ""
             if batched and kind != "batched op":
                 print("vLLM's swap_blocks_batch is not available here")
             step = -1 if "descending" in shape else 1

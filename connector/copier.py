@@ -40,7 +40,6 @@ import torch
 from pykv.connector import compat
 from pykv.connector.descriptors import copy_descriptors
 from pykv.connector.layout import BlockLayout
-from pykv.connector.scatter import ScatterLoads, copy_each, worth_scattering
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,6 @@ class CopyTask:
     skip: int  # leading sub-blocks of the chunk not covered by gpu_ids
     token: object = None  # caller's handle (e.g. the reactor transfer id)
     after: object = None  # ``mark_submitted()`` of the job: copy only after that device work
-
-
-@dataclass
-class Scattered:
-    """What a batch sent through ``ScatterLoads`` must keep alive, and its copy entries."""
-
-    keep: list
-    entries: int
 
 
 def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -178,11 +169,9 @@ class CudaCopier(TorchCopier):
     non_blocking = True
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: BlockLayout, *, streams: int = 8,
-                 batched: bool = True, scatter_slots: int = 0) -> None:
+                 batched: bool = True) -> None:
         super().__init__(tensors, layout)
         self._batch_op = compat.batched_copy_op() if batched else None
-        self._scatter = ScatterLoads(tensors, layout, slots=scatter_slots, bulk_copy=self._bulk_copy) \
-            if scatter_slots else None
         self.stats: Counter[str] = Counter()  # h2d_* timings of load batches (from_slots)
         self.device = self.tensors[0].device
         self._store_streams = [torch.cuda.Stream(device=self.device) for _ in range(streams)]
@@ -281,11 +270,7 @@ class CudaCopier(TorchCopier):
                 done(task, False)
             return
         self.stats["h2d_batches"] += 1
-        if isinstance(keep, Scattered):
-            self.stats["h2d_scatter_batches"] += 1
-            self.stats["h2d_entries"] += keep.entries
-        else:
-            self.stats["h2d_entries"] += len(keep[0]) if keep else sum(len(t.gpu_ids) for t in tasks)
+        self.stats["h2d_entries"] += len(keep[0]) if keep else sum(len(t.gpu_ids) for t in tasks)
         self.stats["h2d_issue_us"] += int((time.perf_counter() - issuing) * 1e6)
         self.stats["h2d_queued_us"] += int((issuing - called) * 1e6)
         self._pending.put((tasks, dones, event, keep, (began, called)))
@@ -297,10 +282,6 @@ class CudaCopier(TorchCopier):
         alive until the batch's event completes). Loads read page-locked slots that no device
         work writes, so their source may be read out of stream order.
         """
-        if not to_slot and self._scatter is not None and worth_scattering(tasks):
-            scattered = self._scattered(tasks)
-            if scattered is not None:
-                return scattered
         if self._batch_op is None:
             for task in tasks:
                 self._copy(task, to_slot=to_slot)
@@ -315,29 +296,6 @@ class CudaCopier(TorchCopier):
         if not to_slot:  # the op releases the GIL: its time includes taking it back
             self.stats["h2d_build_us"] += int((calling - building) * 1e6)
             self.stats["h2d_op_us"] += int((time.perf_counter() - calling) * 1e6)
-        return pointers
-
-    def _scattered(self, tasks: Sequence[CopyTask]) -> "Scattered | None":
-        """``tasks`` (a load batch) through the scratch (``ScatterLoads``); None, and the scratch off
-        for good, when the device has no memory for it (the batch is then copied straight)."""
-        assert self._scatter is not None
-        try:
-            self._scatter.scratch()
-        except RuntimeError:  # torch.OutOfMemoryError is one
-            log.warning("pykv: no device memory for %d scatter slots; loads are copied straight",
-                        self._scatter.slots, exc_info=True)
-            self._scatter = None
-            return None
-        return Scattered(self._scatter.issue(tasks), sum(1 for t in tasks if len(t.gpu_ids)))
-
-    def _bulk_copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> object:
-        """Each (slot payload, scratch region) pair on the current stream: one batched op call, or
-        torch copies where the op is missing; returns what must live until they ran."""
-        if self._batch_op is None:
-            return copy_each(pairs)
-        pointers = tuple(torch.tensor(column, dtype=torch.int64) for column in zip(
-            *((source.data_ptr(), target.data_ptr(), source.numel()) for source, target in pairs)))
-        self._batch_op(*pointers, is_src_access_order_any=False)  # in stream order, as the scratch's reuse
         return pointers
 
     def _poll(self) -> None:

@@ -96,8 +96,7 @@ class PykvWorker(OffloadingWorker):
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
         self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]
-        self.copier = (CudaCopier(tensors, self.layout, scatter_slots=pykv.scatter_slots) if cuda
-                       else TorchCopier(tensors, self.layout))
+        self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
                  type(self.copier).__name__)

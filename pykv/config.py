@@ -196,9 +196,6 @@ class PykvConfig:
     io_engine: str = _key(_choice(*IO_ENGINES), "auto",
                           "I/O backend. auto: io_uring when usable and the medium takes O_DIRECT (one device "
                           "or several), else the preadv/pwritev thread pool.", "str")
-    scatter_slots: int = _key(_int_range(0, 256), 0, "GPU scratch, in storage blocks, for loads whose GPU blocks "
-                              "are out of order: each slot is copied to the GPU whole and scattered there "
-                              "(0: copied straight from the slot, one entry per page run).", "int")
     dram_bytes: int = _key(_size, 0, "DRAM tier size per worker; 0 disables the tier.", "size")
     dram_policy: str = _key(_choice(*DRAM_POLICIES), "lru", "DRAM tier replacement policy.", "str")
     preload: bool = _key(_bool, False, "Read the stored blocks of requests still waiting in vLLM's queue into "

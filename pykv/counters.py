@@ -174,7 +174,6 @@ class WorkerCounter(_Documented):
     H2D_ENTRIES = "h2d_entries", "Copy entries in those batches."
     H2D_ISSUE_US = "h2d_issue_us", "Host microseconds spent issuing them."
     H2D_BUILD_US = "h2d_build_us", "Of the issuing, microseconds building the batched op's pointer lists."
-    H2D_SCATTER_BATCHES = "h2d_scatter_batches", "Of those batches, the ones sent through the scatter_slots scratch."
     H2D_OP_US = ("h2d_op_us",
         "Of the issuing, microseconds in the batched op's call (it releases the GIL: taking it back "
         "counts here).")

@@ -223,14 +223,13 @@ def test_the_dry_run_of_stage_s5_fills_once_and_loads_the_tree_with_each_load_va
     engines = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("  engine ")]
     assert engines == ["pykv-stripe8-fill", "pykv-stripe8-query", "pykv-stripe8-depth4-query",
                        "pykv-stripe8-repeat-query", "pykv-stripe8-depth8-query", "pykv-stripe8-threadpool-query", "pykv-stripe8-header-query",
-                       "pykv-stripe8-vt4-query", "pykv-stripe8-scatter-query"]
+                       "pykv-stripe8-vt4-query"]
     configs = [json.loads(line.split("kv_transfer_config: ", 1)[1])["kv_connector_extra_config"]
                for line in result.stdout.splitlines() if "kv_transfer_config: " in line]
-    assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], c["scatter_slots"], len(c["roots"]))
-            for c in configs] == \
-        [("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 4, 0, 8),
-         ("full", "auto", "auto", 16, 0, 8), ("full", "auto", "auto", 8, 0, 8), ("full", "auto", "threadpool", 16, 0, 8),
-         ("header", "auto", "auto", 16, 0, 8), ("full", 4, "auto", 16, 0, 8), ("full", "auto", "auto", 16, 8, 8)]
+    assert [(c["verify"], c["verify_threads"], c["io_engine"], c["io_depth"], len(c["roots"])) for c in configs] == \
+        [("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 4, 8),
+         ("full", "auto", "auto", 16, 8), ("full", "auto", "auto", 8, 8), ("full", "auto", "threadpool", 16, 8),
+         ("header", "auto", "auto", 16, 8), ("full", 4, "auto", 16, 8)]
 
 
 def test_stage_s5_reports_each_query_variant_with_its_load_rate():
@@ -490,14 +489,14 @@ def test_diskstats_gives_each_devices_reads_and_busy_time_between_snapshots(tmp_
 def test_stage_s5_sets_each_engines_first_load_of_a_length_beside_its_second():
     from h200bench.verify_stage import block_order_lines
     recs = []
-    for variant, first, second in (("defaults", 0.60, 0.65), ("scatter", 0.61, 0.60)):
-        for ttft, entries in ((first, 10_560), (second, 141_680 if variant == "defaults" else 320)):
+    for variant, first, second in (("defaults", 0.60, 0.65), ("repeat", 0.61, 0.60)):
+        for ttft, entries in ((first, 10_560), (second, 141_680 if variant == "defaults" else 10_560)):
             recs.append({"kind": "ttft", "stage": "S5", "label": f"pykv-stripe8-{variant}-query", "system": "pykv",
                          "variant": variant, "phase": "query", "length": 81920, "ttft": ttft,
                          "worker_delta": {"delivered_blocks": 320, "h2d_entries": entries}})
     recs.append({**recs[0], "length": 8192, "worker_delta": {}})  # no copier counters: left out
-    assert block_order_lines(recs, ["defaults", "scatter"]) == [
-        "L=81,920: defaults 0.600 s (33) / 0.650 s (443), scatter 0.610 s (33) / 0.600 s (1)"]
+    assert block_order_lines(recs, ["defaults", "repeat"]) == [
+        "L=81,920: defaults 0.600 s (33) / 0.650 s (443), repeat 0.610 s (33) / 0.600 s (33)"]
 
 
 def test_a_ttft_record_places_its_loads_steps_inside_the_request():
@@ -524,3 +523,43 @@ def test_a_ttft_record_places_its_loads_steps_inside_the_request():
             r.update(load_job_us=500_000, timeline=fields["timeline"])
     assert "the steps, ms from the request: survey began 2.0, ended 14.0, load planned 15.0, at the worker " \
            "20.0, loaded 545.0, collected 541.0, first token 620.0" in build_report(recs)[0]
+
+
+@pytest.mark.parametrize("mode", ["ceiling-h2d", "ceiling-hash", "ceiling-hash-h2d"])
+def test_the_ceiling_pass_hashes_and_copies_every_block_it_reads_once(tmp_path, monkeypatch, mode):
+    """``mbw``'s ceiling engines: each block read passes through the mode's hash and GPU copy
+    (faked here: a CPU target, events that are done at once) before its slot is read into again."""
+    import contextlib
+
+    import torch
+    import xxhash
+
+    from h200bench import ceiling
+    from h200bench.multibw import together
+    paths = [d / "f.dat" for d in direct_dirs(tmp_path, 2)]
+    block, blocks = 1 << 20, 6
+    together(paths, "write", engine="threadpool", size=blocks * block, block=block, depth=2)
+    hashed, copied = [], []
+    real_hash, real_empty = xxhash.xxh3_64_intdigest, torch.empty
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: hashed.append(real_hash(data)))
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
+
+    class Event:
+        def record(self, stream):
+            copied.append(stream)
+
+        def query(self):
+            return True
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(ceiling, "page_lock", lambda address, length: None)
+    monkeypatch.setattr(ceiling, "page_unlock", lambda address: None)
+    try:
+        got = ceiling.ceiling_pass(paths, mode, size=blocks * block, block=block, depth=2)
+    except OSError as exc:  # io_uring refused here
+        pytest.skip(f"io_uring: {exc}")
+    hash_slots, h2d = ceiling.MODES[mode]
+    assert got["bytes"] == 2 * blocks * block and len(got["per_device_gb_per_s"]) == 2
+    assert len(hashed) == (2 * blocks if hash_slots else 0)
+    assert len(copied) == (2 * blocks if h2d else 0)

@@ -18,13 +18,12 @@ DEPTHS = (4, 8, 16)
 4-16), at each of these reads in flight per device (the default ``io_depth`` is 16)."""
 QUERIES = [("defaults", {}), ("depth4", {"io_depth": 4}), ("repeat", {}), ("depth8", {"io_depth": 8}),
            ("threadpool", {"io_engine": "threadpool"}), ("header", {"verify": "header"}),
-           ("vt4", {"verify_threads": 4}), ("scatter", {"scatter_slots": 8})]
+           ("vt4", {"verify_threads": 4})]
 """(variant, keys added to the defaults) of the query engines after S5's one fill: the defaults
 (``io_depth`` 16, ``verify_threads`` auto), 4 reads in flight per device, the defaults again (the
 spread between engines of one configuration: 0.55-0.82 s at 80k in run 15), 8 reads in flight, the
-thread pool, no checksum, run 13's default of 4 hashing threads, out-of-order loads through a device
-scratch of 8 blocks (``scatter_slots``; each engine loads every length twice, the second time into the
-GPU blocks the first freed, which vLLM hands back in descending order: run 16)."""
+thread pool, no checksum, run 13's default of 4 hashing threads. (Run 17 also tried ``scatter_slots``,
+out-of-order loads through a device scratch: slower, removed; docs/benchmarks.md.)"""
 
 
 def stage_s5(runner) -> None:
