@@ -180,8 +180,8 @@ class PykvConfig:
     root: str = _key(_root, "", "Directory of the pykv tree: created if missing, used if empty or a tree; "
                      "a directory holding other files is refused (make it a tree with `pykv init`). Required.", "path")
     roots: tuple[str, ...] = _key(_roots, (), "Directories of one pykv tree each, one per device (a list): "
-                                  "each block lives on one of them, one of two chosen from its key (rendezvous "
-                                  "hashing; the one with fewer of its store's blocks). "
+                                  "each block lives on one of them, one of three chosen from its key (rendezvous "
+                                  "hashing; the one recent stores used least). "
                                   "Every directory must exist; give `root` or `roots`.", "paths")
     staging_bytes: int | None = _key(_staging, "auto", "Transient staging memory per worker (slots for disk "
                                      "I/O). auto: two slots per read in flight on every device (2 x io_depth x "

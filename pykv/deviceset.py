@@ -2,13 +2,14 @@
 
 A block's devices are chosen from its key by rendezvous (highest-random-weight) hashing:
 each device scores the key with xxh3-64 seeded by the device's tree identity
-(``KVTree.identity``, kept in its marker); the two highest scores are the key's
-*candidates* (``candidates``). A store puts the block on one of the two, whichever holds
-fewer of that store's blocks (``StripedMedium.place``: two choices keep a request's blocks
-even over the devices); a lookup checks the two. No index: every process with the
+(``KVTree.identity``, kept in its marker); the three highest scores are the key's
+*candidates* (``candidates``). A store puts the block on one of them, the one its recent
+placements used least (``StripedMedium.place``: three choices keep a request's blocks even
+over the devices); a lookup checks them in order. No index: every process with the
 same set computes the same candidates. Adding a device changes the candidates of the keys
-it now scores in the top two; removing one, those of its own keys; a block whose device
-dropped out of its candidates is a miss (about 1/N of them either way). The set is named
+it now scores in the top three; removing one, those of its own keys; a block whose device
+dropped out of its candidates is a miss (about 1/N of them either way). The top two are
+among the top three, so blocks placed with two choices are found. The set is named
 by the identities, so the order of ``roots`` and the mount paths do not matter.
 
 A set is refused (``InputError`` naming ``roots[i]``) when a root is missing or not a
@@ -36,8 +37,8 @@ ROOTS_KEY = "kv_connector_extra_config.roots"
 MAX_DEVICES = 64
 
 
-CHOICES = 2
-"""Candidate devices of a key: a store takes the one with fewer of its blocks, a lookup checks both."""
+CHOICES = 3
+"""Candidate devices of a key: a store takes the least used, a lookup checks them in order."""
 
 
 def rendezvous_index(key: bytes, seeds: Sequence[int]) -> int:
@@ -100,7 +101,7 @@ class DeviceSet:
 
     def candidates(self, key: bytes) -> tuple[int, ...]:
         """The devices that may hold block ``key`` (the same in every namespace), first choice first:
-        the two scoring it highest (one with a single device)."""
+        the ``CHOICES`` scoring it highest (all of them with fewer devices)."""
         return (0,) if len(self.seeds) == 1 else rendezvous_top(key, self.seeds, CHOICES)
 
     def tree_of(self, key: bytes) -> KVTree:
@@ -108,7 +109,7 @@ class DeviceSet:
         return self.trees[self.index_of(key)]
 
     def holder(self, namespace_id: str, key: bytes) -> KVTree | None:
-        """The first of ``key``'s candidate trees that holds the block published (None: neither)."""
+        """The first of ``key``'s candidate trees that holds the block published (None: none does)."""
         for index in self.candidates(key):
             if self.trees[index].contains(namespace_id, key):
                 return self.trees[index]

@@ -21,7 +21,7 @@ def run(*args, env=None):
     return CliRunner(env=env).invoke(app, [str(a) for a in args])
 
 
-def make_set(tmp_path, count=3):
+def make_set(tmp_path, count=4):  # four devices: each key has one that is not its candidate
     return DeviceSet([make_tree(tmp_path / f"dev{i}") for i in range(count)])
 
 
@@ -31,7 +31,7 @@ def placed(devices, count, start=0, **ages):
 
 
 def off_placement(devices, i):
-    """Block ``key(i)`` written on a device the set does not look on (neither of its candidates)."""
+    """Block ``key(i)`` written on a device the set does not look on (none of its candidates)."""
     wrong = next(d for d in range(len(devices)) if d not in devices.candidates(key(i)))
     return add_block(devices[wrong], key(i)), wrong
 
@@ -58,15 +58,15 @@ def test_block_key_is_read_from_the_name(tmp_path):
     devices = make_set(tmp_path)
     path = add_block(devices[0], key(7))
     assert block_key(str(path)) == key(7) and block_key("/x/zz.kv") is None and block_key("/x/ab.tmp") is None
-    first, second = devices.candidates(key(7))
-    assert reachable(devices, first, str(path)) and reachable(devices, second, str(path))
-    assert not reachable(devices, ({0, 1, 2} - {first, second}).pop(), str(path))
+    choices = devices.candidates(key(7))
+    assert all(reachable(devices, index, str(path)) for index in choices)
+    assert not reachable(devices, ({0, 1, 2, 3} - set(choices)).pop(), str(path))
     assert reachable(DeviceSet([devices[0]]), 0, str(path))  # one device reaches everything
 
 
 # -- gc: one limit over the set, one LRU order ----------------------------------------------------
 def test_gc_limits_the_total_in_one_lru_order_across_devices(tmp_path):
-    devices = make_set(tmp_path)
+    devices = make_set(tmp_path, 3)
     ids = spread_ids(devices, 4)  # 4 blocks on each device (the set's seeds are random per tree)
     paths = [add_block(devices.tree_of(key(i)), key(i), accessed_ago=(20 - n) * HOUR, published_ago=21 * HOUR)
              for n, i in enumerate(ids)]
@@ -108,9 +108,9 @@ def test_fsck_reports_each_device_and_counts_unreachable_blocks(tmp_path):
     (devices[1].root / "junk.txt").write_text("not pykv's")
     reports = fsck_devices(devices)
     assert [r.root for r in reports] == [str(t.root) for t in devices]
-    assert [r.unreachable_blocks for r in reports] == [1 if i == wrong else 0 for i in range(3)]
+    assert [r.unreachable_blocks for r in reports] == [1 if i == wrong else 0 for i in range(4)]
     assert reports[wrong].unreachable_bytes == BLOCK_SIZE and reports[wrong].as_dict()["id"] == devices[wrong].identity
-    assert [r.clean for r in reports] == [True, False, True]  # the junk is a problem; the stray block is not
+    assert [r.clean for r in reports] == [True, False, True, True]  # the junk is a problem; the stray block is not
     assert sum(r.blocks_checked for r in reports) == 7 and stray.exists()
 
 
@@ -124,7 +124,7 @@ def test_inspect_devices_table_shares_and_unreachable(tmp_path):
     assert [d["id"] for d in data["devices"]] == [t.identity for t in devices]
     assert sum(d["blocks"] for d in data["devices"]) == 10
     assert sum(d["share"] for d in data["devices"]) == pytest.approx(1.0, abs=1e-3)
-    assert [d["unreachable_blocks"] for d in data["devices"]] == [1 if i == wrong else 0 for i in range(3)]
+    assert [d["unreachable_blocks"] for d in data["devices"]] == [1 if i == wrong else 0 for i in range(4)]
     assert data["unreachable_blocks"] == 1 and stray.exists()
     assert data["namespaces"][0]["id"] == NS.id and data["namespaces"][0]["files"] == 10
 
@@ -143,12 +143,12 @@ def test_cli_over_several_roots(tmp_path):
     checked = run("fsck", *roots, "--json")
     assert checked.exit_code == 0, checked.output
     report = json.loads(checked.stdout)
-    assert report["clean"] and report["unreachable_blocks"] == 1 and len(report["devices"]) == 3
+    assert report["clean"] and report["unreachable_blocks"] == 1 and len(report["devices"]) == 4
     assert "device 2:" in run("fsck", *roots).stdout
     swept = run("gc", *roots, "--max-size", f"{4 * BLOCK_SIZE}", "--json")
     assert swept.exit_code == 0, swept.output
     result = json.loads(swept.stdout)
-    assert result["remaining_bytes"] <= 4 * BLOCK_SIZE and len(result["devices"]) == 3
+    assert result["remaining_bytes"] <= 4 * BLOCK_SIZE and len(result["devices"]) == 4
     assert sum(len(blocks(t)) for t in devices) == 4
     assert "unreachable" in run("gc", *roots, "--max-size", "1G").stdout
 

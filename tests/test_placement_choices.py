@@ -1,4 +1,4 @@
-"""Two rendezvous candidates per block: a store's blocks even over the devices, lookups on both."""
+"""Three rendezvous candidates per block: a request's blocks even over the devices, lookups on each."""
 
 from __future__ import annotations
 
@@ -39,27 +39,49 @@ def test_an_80k_store_is_even_over_eight_devices(tmp_path):
     placed = lanes(medium, medium.place(NS, keys))
     counts = Counter(placed)
     assert all(lane in devices.candidates(key) for key, lane in zip(keys, placed))
-    assert len(counts) == 8 and max(counts.values()) <= 45, counts  # mean 40; one choice: ~50, up to ~60
+    assert len(counts) == 8 and max(counts.values()) <= 41, counts  # mean 40; one choice: ~50, up to ~60
 
 
-def test_a_request_stored_in_steps_is_even_too(tmp_path):
-    devices, medium = striped(tmp_path, 8)
+def busiest_share(medium, keys, job):
+    """The busiest device's blocks of a request stored ``job`` blocks at a time, over the mean."""
     placed = []
-    for first in range(0, 320, 32):  # one store job per prefill step of 8k tokens
-        placed += lanes(medium, medium.place(NS, KEYS[first:first + 32]))
-    assert max(Counter(placed).values()) <= 45, Counter(placed)
+    for first in range(0, len(keys), job):
+        placed += lanes(medium, medium.place(NS, keys[first:first + job]))
+    return max(Counter(placed).values()) / (len(keys) / len(medium.media))
 
 
-def test_lookups_find_a_block_on_either_candidate(tmp_path):
+def test_requests_stored_in_steps_are_even_too(tmp_path):
+    """8k / 32k / 80k-token requests one after another, each in store jobs of one 8k prefill step: each
+    request's busiest device within a block or two of its mean (two choices, one job at a time:
+    5 / 18 / 42 blocks here, 1.25 / 1.12 / 1.05x)."""
+    devices, medium = striped(tmp_path, 8)
+    shares = [busiest_share(medium, KEYS[start:start + count], 32)
+              for start, count in ((0, 32), (32, 128), (160, 320))]
+    assert shares[0] <= 5 / 4 and shares[1] <= 17 / 16 and shares[2] <= 41 / 40, shares
+
+
+def test_balance_over_many_requests_beats_two_choices(tmp_path):
+    """Over 40 sets and requests of 32 blocks in one job, the busiest device's mean share."""
+    shares = []
+    for trial in range(40):
+        (tmp_path / f"t{trial}").mkdir()
+        _, medium = striped(tmp_path / f"t{trial}", 8)
+        keys = [hashlib.sha256(f"{trial}-{i}".encode()).digest()[:16] for i in range(32)]
+        shares.append(busiest_share(medium, keys, 32))
+    assert sum(shares) / len(shares) <= 1.15, shares  # three choices ~1.08; two ~1.25
+
+
+def test_lookups_find_a_block_on_any_candidate(tmp_path):
     devices, medium = striped(tmp_path, 4)
     key = KEYS[0]
-    first, second = devices.candidates(key)
+    choices = devices.candidates(key)
+    assert len(choices) == 3 and len(set(choices)) == 3
     assert not medium.contains(NS, key)
-    assert medium.lane(medium.locate(NS, key)) == first  # nowhere: looked for on the first choice
-    on_second = devices[second].block_path(NS, key)
-    publish(on_second)
-    assert medium.contains(NS, key) and medium.locate(NS, key) == on_second
-    assert devices.holder(NS, key) is devices[second]
+    assert medium.lane(medium.locate(NS, key)) == choices[0]  # nowhere: looked for on the first choice
+    on_last = devices[choices[-1]].block_path(NS, key)
+    publish(on_last)
+    assert medium.contains(NS, key) and medium.locate(NS, key) == on_last
+    assert devices.holder(NS, key) is devices[choices[-1]]
     other = KEYS[1]
     off = next(i for i in range(4) if i not in devices.candidates(other))
     publish(devices[off].block_path(NS, other))
@@ -70,10 +92,39 @@ def test_a_block_already_stored_keeps_its_place(tmp_path):
     devices, medium = striped(tmp_path, 4)
     keys = KEYS[:64]
     stored = {}
-    for key in keys:  # every block already on its second choice
-        stored[key] = devices[devices.candidates(key)[1]].block_path(NS, key)
+    for n, key in enumerate(keys):  # every block already on its second or third choice
+        stored[key] = devices[devices.candidates(key)[1 + n % 2]].block_path(NS, key)
         publish(stored[key])
     assert medium.place(NS, keys) == [stored[key] for key in keys]  # no second copy anywhere
+
+
+def test_blocks_placed_with_two_choices_are_still_found(tmp_path):
+    """The top two rendezvous scores are among the top three: a tree stored when a block had two
+    candidates reads as it is."""
+    from pykv.deviceset import rendezvous_top
+    devices, medium = striped(tmp_path, 8)
+    for key in KEYS[:200]:
+        assert rendezvous_top(key, devices.seeds, 2) == devices.candidates(key)[:2]
+
+
+def test_concurrent_stores_each_get_a_candidate(tmp_path):
+    import threading
+    devices, medium = striped(tmp_path, 8)
+    results, errors = {}, []
+
+    def store(part):
+        try:
+            keys = KEYS[part * 100:(part + 1) * 100]
+            results[part] = list(zip(keys, lanes(medium, medium.place(NS, keys))))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    threads = [threading.Thread(target=store, args=(p,)) for p in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 8
+    assert all(lane in devices.candidates(key) for pairs in results.values() for key, lane in pairs)
 
 
 def test_adding_a_device_loses_about_its_share(tmp_path):
@@ -83,7 +134,7 @@ def test_adding_a_device_loses_about_its_share(tmp_path):
     grown, _ = striped(tmp_path, 9, [f"dev{i}" for i in range(9)])  # the same 8 trees and one more
     index = {tree.identity: i for i, tree in enumerate(grown)}
     lost = sum(index[home] not in grown.candidates(key) for key, home in zip(keys, homes)) / len(keys)
-    assert 0.06 <= lost <= 0.17, lost  # about 1/9
+    assert 0.02 <= lost <= 0.12, lost  # at most ~1/9: the new device displaces a key's third candidate
 
 
 def test_one_device_has_one_candidate(tmp_path):
@@ -101,4 +152,4 @@ def test_the_balance_benchmark_prints_both_columns():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     row = [line for line in out.stdout.splitlines() if line.strip().startswith("8,192")]
-    assert len(row) == 1 and row[0].count("%") == 4
+    assert len(row) == 1 and row[0].count("%") == 6

@@ -34,11 +34,13 @@ class LoopDevices:
     def ensure(self, name: str, size: int, *, stage: str) -> str:
         """Loop device ``name``: the one a previous command of this lease left mounted, else a fresh one
         (a sparse image of ``size`` bytes, mounted with ``discard`` so deleted files give their memory
-        back to the tmpfs); other devices are left alone. Its mount point."""
+        back to the tmpfs); other devices are left alone. One smaller than ``size`` (an earlier
+        command's, for fewer documents) is torn down and made again. Its mount point."""
         state_file = self.work / f"loop-{name}.json"
         if not self.dry and state_file.exists():
             state = json.loads(state_file.read_text())
-            if os.path.ismount(state["mnt"]) and os.path.exists(state["img"]):
+            if (os.path.ismount(state["mnt"]) and os.path.exists(state["img"])
+                    and os.path.getsize(state["img"]) >= size):
                 self.record({"kind": "env", "stage": stage, "what": "loop", **state, "reused": True,
                              "mount": mount_of(state["mnt"])})
                 log(f"loop {name}: reusing {state['dev']} on {state['mnt']}")

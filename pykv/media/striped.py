@@ -1,28 +1,40 @@
 """The striped medium: one cache over several devices, each block on exactly one of them.
 
 ``StripedMedium`` composes one leaf medium per device of a ``DeviceSet``: ``locate`` and
-``contains`` check the key's two candidate devices (``DeviceSet.candidates``), ``place``
-puts each block of a store on the candidate holding fewer of that store's blocks, every
-other call goes to the device whose root holds the location. Each device is one *lane*:
-the reactor bounds the I/O in flight per lane, so a slow device does not starve the others.
+``contains`` check the key's candidate devices (``DeviceSet.candidates``), ``place``
+spreads a store's blocks over their candidates (below), every other call goes to the
+device whose root holds the location. Each device is one *lane*: the reactor bounds the
+I/O in flight per lane, so a slow device does not starve the others.
 
-Why two choices: with the top rendezvous score alone a request's blocks land on the
-devices as a random draw, and its load lasts as long as the busiest device's share; the
-less loaded of two candidates keeps every device within a block or two of the mean
-(figures: docs/benchmarks.md, run 14). A block already on one of its candidates is
-stored there again (a store never leaves a second copy that a lookup would not see
-first); two engines storing one block at once may leave one copy on each candidate,
-both sound.
+Why choices: with the top rendezvous score alone a request's blocks land on the devices
+as a random draw, and its load lasts as long as the busiest device's share. ``place``
+counts each device's blocks among this store's and the ``RECENT_PER_DEVICE`` x N placed
+before it (a request's earlier store jobs, which its load reads together with this one),
+puts each block on its least counted candidate, then moves blocks to another candidate
+while that evens the counts. With three candidates a request stored in 8k-token steps
+keeps its busiest device's share at 92 / 98 / 99 % of even at 8k / 32k / 80k tokens on 8
+devices (two candidates counted per store: 80 / 90 / 95 % as loaded in run 17;
+``benchmarks/placement_balance.py``). A
+block already on one of its candidates is stored there again (a store never leaves a
+second copy that a lookup would not see first); two engines storing one block at once
+may leave one copy on each of two candidates, both sound.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Sequence
 
 from pykv.deviceset import DeviceSet
 from pykv.media.base import Medium, OpenSpec, WriteTarget
+
+
+RECENT_PER_DEVICE = 80
+"""Blocks per device of the window of earlier placements ``place`` evens out with (640 on 8
+devices: two 80k-token requests'; larger windows gave no better balance)."""
 
 
 class StripedMedium(Medium):
@@ -34,7 +46,8 @@ class StripedMedium(Medium):
         if len(media) != len(devices):
             raise ValueError(f"{len(media)} media for {len(devices)} devices")
         self.devices, self.media = devices, tuple(media)
-        self._placed = [0] * len(media)  # blocks this medium placed per device (ties between stores)
+        self._recent: deque[int] = deque(maxlen=RECENT_PER_DEVICE * len(media))  # devices of the latest blocks
+        self._placing = threading.Lock()
         # longest first: the first root whose prefix a location has is its own (roots never nest)
         self._prefixes = sorted(((os.path.join(os.fspath(root), ""), i) for i, root in enumerate(devices.roots)),
                                 key=lambda item: -len(item[0]))
@@ -68,19 +81,36 @@ class StripedMedium(Medium):
         return self._holder(namespace_id, key, self.devices.candidates(key)) is not None
 
     def place(self, namespace_id: str, keys: Sequence[bytes]) -> list[Path]:
-        """Each block on its candidate holding it already, else on the candidate with fewer of these
-        keys so far (then fewer placed by this medium; then the first choice)."""
-        in_store = [0] * len(self.media)
-        locations = []
-        for key in keys:
+        """Each block on its candidate holding it already; the others each on the candidate least
+        used by these blocks and the recent ones, then moved to another candidate while that
+        evens the counts (each move lowers their sum of squares, so it ends)."""
+        found = []
+        for key in keys:  # the existence checks outside the lock
             choices = self.devices.candidates(key)
-            index = self._holder(namespace_id, key, choices)
-            if index is None:
-                index = min(choices, key=lambda i: (in_store[i], self._placed[i]))
-                self._placed[index] += 1
-            in_store[index] += 1
-            locations.append(self.media[index].locate(namespace_id, key))
-        return locations
+            found.append((choices, self._holder(namespace_id, key, choices)))
+        chosen, options = [], []
+        with self._placing:
+            used = [0] * len(self.media)
+            for index in self._recent:
+                used[index] += 1
+            for choices, index in found:
+                if index is None:
+                    index = min(choices, key=used.__getitem__)
+                    options.append((len(chosen), choices))
+                chosen.append(index)
+                used[index] += 1
+            moved = True
+            while moved:
+                moved = False
+                for position, choices in options:
+                    here = chosen[position]
+                    there = min((c for c in choices if c != here), key=used.__getitem__, default=here)
+                    if used[there] + 1 < used[here]:
+                        used[here] -= 1
+                        used[there] += 1
+                        chosen[position], moved = there, True
+            self._recent.extend(chosen)
+        return [self.media[index].locate(namespace_id, key) for index, key in zip(chosen, keys)]
 
     def _holder(self, namespace_id: str, key: bytes, choices: tuple[int, ...]) -> int | None:
         """The first of ``choices`` whose medium holds the block (None: none does)."""
