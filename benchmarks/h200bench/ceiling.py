@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from h200bench.util import close_pass, read_pass_result
+
 MODES = {"ceiling-h2d": (False, True), "ceiling-hash": (True, False), "ceiling-hash-h2d": (True, True)}
 """engine name -> (hash each slot, copy each slot to the GPU)."""
 HASH_THREADS = 8  # the engines' verify_threads on this host
@@ -103,6 +105,7 @@ class SlotSink:
 
 
 def page_lock(address: int, length: int) -> None:
+    """``cuda_host_register`` of ``pykv.connector.copier``, whose module needs vLLM (not on this run)."""
     import torch
 
     result = torch.cuda.cudart().cudaHostRegister(address, length, 0)
@@ -168,15 +171,8 @@ def ceiling_pass(paths: list[Path], engine: str, *, size: int, block: int, depth
                     raise OSError(f"{paths[d]}: read of block {index} returned {completion.result}")
                 in_flight[d] -= 1
                 sink.take((d, slot))
-        wall = max(ends) - started
     finally:
         if sink is not None:
             sink.close()
-        for fd in fds:
-            os.close(fd)
-        if backend is not None:
-            backend.close()
-        pool.close()
-    total = size * count
-    return {"bytes": total, "seconds": round(wall, 4), "gb_per_s": round(total / wall / 1e9, 3),
-            "per_device_gb_per_s": [round(size / (end - started) / 1e9, 3) for end in ends]}
+        close_pass(fds, backend, pool)
+    return read_pass_result(size, count, started, ends)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from h200bench.ceiling import MODES as CEILING_MODES, ceiling_pass
-from h200bench.util import emit, log
+from h200bench.util import close_pass, emit, log, read_pass_result
 
 AGG_WHAT = "odirect_read_agg"
 COPY_WHAT = "host_copy"
@@ -134,16 +134,9 @@ def one_ring(paths: list[Path], *, size: int, block: int, depth: int) -> dict:
                 free[d].append(slot)
                 if next_block[d] >= blocks and len(free[d]) == depth:
                     ends[d] = time.perf_counter()
-        wall = max(ends) - started
     finally:
-        for fd in fds:
-            os.close(fd)
-        if backend is not None:
-            backend.close()
-        pool.close()
-    total = size * count
-    return {"bytes": total, "seconds": round(wall, 4), "gb_per_s": round(total / wall / 1e9, 3),
-            "per_device_gb_per_s": [round(size / (end - started) / 1e9, 3) for end in ends]}
+        close_pass(fds, backend, pool)
+    return read_pass_result(size, count, started, ends)
 
 
 def host_copy(threads: int, *, size: int = 256 << 20, reps: int = 4) -> dict:

@@ -168,3 +168,20 @@ def numa_layout() -> dict:
         except OSError:
             continue
     return layout
+
+
+def read_pass_result(size: int, count: int, started: float, ends: list[float]) -> dict:
+    """A read pass over ``count`` devices of ``size`` bytes each, begun at ``started`` and ended per device
+    at ``ends`` (``perf_counter``): aggregate and per-device GB/s."""
+    wall, total = max(ends) - started, size * count
+    return {"bytes": total, "seconds": round(wall, 4), "gb_per_s": round(total / wall / 1e9, 3),
+            "per_device_gb_per_s": [round(size / (end - started) / 1e9, 3) for end in ends]}
+
+
+def close_pass(fds: list[int], backend, pool) -> None:
+    """Close a read pass's files, I/O backend (None: never opened) and staging pool."""
+    for fd in fds:
+        os.close(fd)
+    if backend is not None:
+        backend.close()
+    pool.close()
