@@ -10,11 +10,11 @@ Why choices: with the top rendezvous score alone a request's blocks land on the 
 as a random draw, and its load lasts as long as the busiest device's share. ``place``
 counts each device's blocks among this store's and the ``RECENT_PER_DEVICE`` x N placed
 before it (a request's earlier store jobs, which its load reads together with this one),
-puts each block on its least counted candidate, then moves blocks to another candidate
-while that evens the counts. With three candidates a request stored in 8k-token steps
-keeps its busiest device's share at 92 / 98 / 99 % of even at 8k / 32k / 80k tokens on 8
-devices (two candidates counted per store: 80 / 90 / 95 % as loaded in run 17;
-``benchmarks/placement_balance.py``). A
+puts each block on its least counted candidate, then, while a chain of moves (each block
+to another of its candidates) takes one block off the busiest device to one holding two
+fewer, moves them. With three candidates a request stored in 8k-token steps lands evenly on
+8 devices at 8k / 32k / 80k tokens (two candidates counted per store left the busiest
+device 25 / 11 / 5 % over its share, as loaded in run 17; ``benchmarks/placement_balance.py``). A
 block already on one of its candidates is stored there again (a store never leaves a
 second copy that a lookup would not see first); two engines storing one block at once
 may leave one copy on each of two candidates, both sound.
@@ -82,8 +82,8 @@ class StripedMedium(Medium):
 
     def place(self, namespace_id: str, keys: Sequence[bytes]) -> list[Path]:
         """Each block on its candidate holding it already; the others each on the candidate least
-        used by these blocks and the recent ones, then moved to another candidate while that
-        evens the counts (each move lowers their sum of squares, so it ends)."""
+        used by these blocks and the recent ones, then moved while the busiest device can shed one
+        (``_shed_one``)."""
         found = []
         for key in keys:  # the existence checks outside the lock
             choices = self.devices.candidates(key)
@@ -99,16 +99,8 @@ class StripedMedium(Medium):
                     options.append((len(chosen), choices))
                 chosen.append(index)
                 used[index] += 1
-            moved = True
-            while moved:
-                moved = False
-                for position, choices in options:
-                    here = chosen[position]
-                    there = min((c for c in choices if c != here), key=used.__getitem__, default=here)
-                    if used[there] + 1 < used[here]:
-                        used[here] -= 1
-                        used[there] += 1
-                        chosen[position], moved = there, True
+            while _shed_one(chosen, options, used):
+                pass
             self._recent.extend(chosen)
         return [self.media[index].locate(namespace_id, key) for index, key in zip(chosen, keys)]
 
@@ -142,3 +134,32 @@ class StripedMedium(Medium):
 
     def _of(self, location: Path) -> Medium:
         return self.media[self.lane(location)]
+
+
+def _shed_one(chosen: list[int], options: list[tuple[int, tuple[int, ...]]], used: list[int]) -> bool:
+    """Move one block off the busiest device: along a chain of movable blocks (each to another of
+    its candidates) to a device holding at least two fewer. ``options``: (position in ``chosen``,
+    candidates) of the blocks that may move; ``chosen`` and ``used`` are updated. False when no such
+    chain exists. Each move lowers the counts' sum of squares, so repeating it ends."""
+    busiest = max(range(len(used)), key=used.__getitem__)
+    via: dict[int, tuple[int, int] | None] = {busiest: None}  # device -> (block moved in, from device)
+    frontier = [busiest]
+    while frontier:
+        device = frontier.pop(0)
+        for position, choices in options:
+            if chosen[position] != device:
+                continue
+            for target in choices:
+                if target in via:
+                    continue
+                via[target] = (position, device)
+                if used[target] + 2 <= used[busiest]:
+                    used[target] += 1
+                    used[busiest] -= 1
+                    while via[target] is not None:  # each block of the chain one step on
+                        position, source = via[target]
+                        chosen[position] = target
+                        target = source
+                    return True
+                frontier.append(target)
+    return False
