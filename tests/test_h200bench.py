@@ -563,3 +563,15 @@ def test_the_ceiling_pass_hashes_and_copies_every_block_it_reads_once(tmp_path, 
     assert got["bytes"] == 2 * blocks * block and len(got["per_device_gb_per_s"]) == 2
     assert len(hashed) == (2 * blocks if hash_slots else 0)
     assert len(copied) == (2 * blocks if h2d else 0)
+
+
+def test_the_s1_report_lists_each_engines_loads_in_order_with_document_and_entries():
+    from h200bench.striping_report import load_order_lines
+    rows = []
+    for doc, ttft, entries in ((0, 2.244, 10_560), (0, 2.687, 141_680), (1, 2.6, 141_680)):
+        rows.append({"label": "pykv-stripe1-query", "length": 81920, "doc": doc, "ttft": ttft,
+                     "load_job_us": 2_000_000, "disks": {"loop0": {"busy_ms": 1980}},
+                     "worker_delta": {"delivered_blocks": 320, "h2d_entries": entries}})
+    rows.append({"label": "pykv-stripe1-query", "length": 8192, "doc": 0, "ttft": 0.3, "worker_delta": {}})  # no load
+    assert load_order_lines(rows) == ["pykv-stripe1-query L=81,920: doc 0 2.244 s (33, busiest 99%) / "
+                                      "doc 0 2.687 s (443, busiest 99%) / doc 1 2.600 s (443, busiest 99%)"]

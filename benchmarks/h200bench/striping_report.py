@@ -257,8 +257,29 @@ def build(records: list[dict]) -> Section | None:
     s.lines("notes:", notes)
     s.lines(f"where a disk hit's time goes, {many} devices (medians over the query engines):",
             time_split(pykv_rows[many], lengths))
+    s.lines("each query engine's loads in the order it ran them (document, copy entries per block, "
+            "the busiest device's share of the load job):", load_order_lines([r for n in counts for r in pykv_rows[n]]))
     s.lines("calibration of the set (pykv calibrate):", calibration_lines(records))
     return s
+
+
+def load_order_lines(rows: list[dict]) -> list[str]:
+    """Per engine and length, each disk hit in the engine's order: a later load of the same document
+    gets the GPU blocks an earlier one freed (descending); another document's files were not read
+    before (run 17's one-device second loads were 20 % slower)."""
+    loads: dict[tuple[str, int], list[str]] = {}
+    for r in rows:  # records in the order the engine ran them
+        blocks = r.get("worker_delta", {}).get("delivered_blocks") or r.get("load_blocks_disk")
+        if not blocks:
+            continue
+        entries = r.get("worker_delta", {}).get("h2d_entries")
+        busy = [d.get("busy_ms", 0) for d in (r.get("disks") or {}).values()]
+        job_ms = (r.get("load_job_us") or 0) / 1000
+        cell = f"doc {r.get('doc', 0)} {r['ttft']:.3f} s"
+        extra = ([f"{entries / blocks:.0f}"] if entries is not None else []) + \
+            ([f"busiest {max(busy) / job_ms:.0%}"] if busy and job_ms else [])
+        loads.setdefault((r["label"], r["length"]), []).append(cell + (f" ({', '.join(extra)})" if extra else ""))
+    return [f"{label} L={length:,}: " + " / ".join(cells) for (label, length), cells in loads.items()]
 
 
 def best_bench_line(data: dict) -> str:
