@@ -10,14 +10,12 @@ Why choices: with the top rendezvous score alone a request's blocks land on the 
 as a random draw, and its load lasts as long as the busiest device's share. ``place``
 counts each device's blocks among this store's and the ``RECENT_PER_DEVICE`` x N placed
 before it (a request's earlier store jobs, which its load reads together with this one),
-puts each block on its least counted candidate, then, while a chain of moves (each block
-to another of its candidates) takes one block off the busiest device to one holding two
-fewer, moves them. With three candidates a request stored in 8k-token steps lands evenly on
-8 devices at 8k / 32k / 80k tokens (two candidates counted per store left the busiest
-device 25 / 11 / 5 % over its share, as loaded in run 17; ``benchmarks/placement_balance.py``). A
-block already on one of its candidates is stored there again (a store never leaves a
-second copy that a lookup would not see first); two engines storing one block at once
-may leave one copy on each of two candidates, both sound.
+puts each block on its least counted candidate, then moves blocks along chains (each to
+another of its candidates) while that takes one off the busiest device. Figures:
+docs/benchmarks.md (run 17), ``benchmarks/placement_balance.py``. A block already on one of
+its candidates is stored there again (a store never leaves a second copy that a lookup
+would not see first); two engines storing one block at once may leave one copy on each of
+two candidates, both sound.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from pykv.media.base import Medium, OpenSpec, WriteTarget
 
 RECENT_PER_DEVICE = 80
 """Blocks per device of the window of earlier placements ``place`` evens out with (640 on 8
-devices: two 80k-token requests'; larger windows gave no better balance)."""
+devices: two 80k-token requests')."""
 
 
 class StripedMedium(Medium):
