@@ -40,7 +40,7 @@ def test_stores_behind_a_stalled_disk_are_shed_and_the_engine_never_waits_for_it
     pykv = finish(*start(work, "pykv", ktc(work / "tree", staging_bytes="2M", dram_bytes=0),
                          steps + [snap(work, "pykv", "after"), run_code(RELEASE)], extra_env=IN_PROCESS,
                          prelude=HOLD_WRITES), timeout=600)
-    plain = finish(*start(work, "plain", None, steps), timeout=600)
+    plain = finish(*start(work, "plain", None, steps, extra_env=IN_PROCESS), timeout=600)  # the same process layout
     for name in PROMPTS:
         assert pykv[name][0]["num_cached_tokens"] == 0
         assert pykv[name][0]["tokens"] == plain[name][0]["tokens"], name
