@@ -135,14 +135,19 @@ def _render(out: Console, data: dict[str, Any]) -> None:
 def _render_gate(out: Console, gate: dict[str, Any]) -> None:
     """The gated engine per length against the better of recompute and disk hit, and the verdict."""
     limit = f"{(gate['tolerance'] - 1) * 100:.0f} %"
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", f"within {limit}", "gate's cost"]
+    columns = ["tokens", "gated", "best", "gated / best", "vs engines", "loaded", "right path", f"within {limit}",
+               "gate's cost"]
     rows = [[f"{p['tokens']:,}", _seconds(p["gated_s"]), _seconds(p["best_s"]), f"{p['ratio']:.2f}",
-             f"{p['admitted']}/{p['runs']}", _yes_no(p.get("right")), _yes_no(p["ok"]), _gate_cost(p)]
+             _ratio(p.get("ratio_engines")), f"{p['admitted']}/{p['runs']}", _yes_no(p.get("right")),
+             _yes_no(p["ok"]), _gate_cost(p)]
             for p in gate["points"]]
-    out.print(table("gate check: TTFT in seconds (medians) with the gate on; best = min(recompute, disk hit); "
-                    "loaded = runs that loaded; right path = the path taken is within the tolerance of the "
-                    "better one in the recompute and disk engines; gate's cost = its decision time in the "
-                    "gated engine, and its share of the better path", columns, rows, right=set(columns)))
+    out.print(table("gate check: TTFT in seconds (medians) with the gate on; best = min(recompute, disk hit), "
+                    "each measured in the gated engine where it ran that path (prompts no engine stored; its "
+                    "loads less the gate's time), else in the recompute or disk engine; vs engines = gated "
+                    "against the recompute and disk engines alone; loaded = runs that loaded; right path = the "
+                    "path taken is within the tolerance of the better one in the recompute and disk engines; "
+                    "gate's cost = its decision time in the gated engine, and its share of the better path",
+                    columns, rows, right=set(columns)))
     wrong = [f"{p['tokens']:,}" for p in gate["points"] if p.get("right") is False]
     if wrong:
         out.print(f"gate check: the gate took the slower path at {', '.join(wrong)} tokens; measure lengths "
@@ -164,6 +169,10 @@ def _gate_cost(point: dict[str, Any]) -> str:
 
 def _yes_no(value: bool | None) -> str:
     return "-" if value is None else "yes" if value else "no"  # "-": a file from before the field existed
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"  # "-": a file from before the field existed
 
 
 def _seconds(value: float | None) -> str:

@@ -24,6 +24,8 @@ GATE_FILE = "gate.json"
 """The gated engine's calibration file, in the work directory (written before that engine starts)."""
 GATE_TOLERANCE = 1.05
 """The gated engine may be at most 5 % slower than the better of recompute and disk hit, at every length."""
+MISS_SEED = 2
+"""The seed of the gated engine's miss prompts: no engine stores a prompt of this seed, so each misses."""
 ENGINE_DEFAULTS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True,
                                    "enable_prefix_caching": False, "seed": 0}
 """``LLM(...)`` arguments every calibration engine gets unless ``engine_args`` say otherwise."""
@@ -128,7 +130,7 @@ def plan_phases(run: CalibrationRun, scratch: Path | list[Path], work: Path, dra
         seed = (1 if warmup else 0) if seed is None else seed
         return {"op": "measure", "path": path, "tokens": tokens, "rep": rep, "seed": seed, "warmup": warmup}
 
-    def pykv(dram: int, **gate: str) -> dict[str, Any]:
+    def pykv(dram: int, **gate: Any) -> dict[str, Any]:
         extra = {**scratch_roots(scratch), **run.settings, "dram_bytes": dram, **gate}
         return PykvConfig.from_extra_config(extra).to_kv_transfer_config(run.block_tokens)
 
@@ -152,9 +154,14 @@ def plan_phases(run: CalibrationRun, scratch: Path | list[Path], work: Path, dra
               Phase("store", {**base, "kv_transfer_config": pykv(dram_bytes if dram else 0)}, store)]
     if "disk" in run.tiers:
         phases.append(Phase("disk", {**base, "kv_transfer_config": pykv(0)}, repeated("disk", warm_seed=0)))
-    if run.check_gate:
-        gated = pykv(0, breakeven_file=str(work / GATE_FILE))
-        phases.append(Phase("gated", {**base, "kv_transfer_config": gated}, repeated("gated", warm_seed=0)))
+    if run.check_gate:  # stores off: the miss prompts stay misses, and nothing writes behind a sample
+        gated = pykv(0, breakeven_file=str(work / GATE_FILE), store=False)
+        steps = [measure("gated", warm, 0, True, 0)]
+        for n in run.lengths:  # a length's first run pays one-time costs: an unmeasured miss, then the two in turn
+            steps.append(measure("miss", n, 0, True, MISS_SEED))
+            for r in reps:
+                steps += [measure("gated", n, r), measure("miss", n, r, seed=MISS_SEED)]
+        phases.append(Phase("gated", {**base, "kv_transfer_config": gated}, steps))
     return phases
 
 

@@ -17,6 +17,11 @@ def check_sample(event: dict[str, Any], block_tokens: int) -> dict[str, Any]:
     run either all from disk or nothing. Returns the sample, a gated one with ``admitted``."""
     path, tokens, cached = event["path"], event["tokens"], event["cached_tokens"]
     loaded = event.get("loaded", {})
+    if path == "miss":
+        if cached or any(loaded.values()):
+            raise PykvError(f"miss run at {tokens:,} tokens {_loads(cached, loaded)}; expected nothing (a prompt "
+                            f"no engine stored)")
+        return event
     if path in ("recompute", "cold"):
         if cached:
             raise PykvError(f"{path} run at {tokens:,} tokens reused {cached} tokens; GPU prefix caching must be off "
@@ -41,43 +46,55 @@ def _loads(cached: int, loaded: dict[str, int]) -> str:
 
 
 def summarize_gate(samples: list[dict[str, Any]], tolerance: float = GATE_TOLERANCE) -> dict[str, Any] | None:
-    """Per length, the gated engine's median TTFT against the better of recompute and disk hit
-    (medians as fitted; ``ok``: at most ``tolerance`` times the better); None without gated samples."""
+    """Per length, the gated engine's median TTFT against the better path (``_gate_point``; ``ok``: at
+    most ``tolerance`` times it); None without gated samples."""
     gated: dict[int, list[dict[str, Any]]] = {}
+    misses: dict[int, list[float]] = {}
     for sample in samples:
         if sample["path"] == "gated":
             gated.setdefault(int(sample["tokens"]), []).append(sample)
+        elif sample["path"] == "miss":
+            misses.setdefault(int(sample["tokens"]), []).append(float(sample["seconds"]))
     if not gated:
         return None
     disk = {p["tokens"]: p for p in fit_tiers(samples, ["disk"])[0]["disk"].points}
-    points = [_gate_point(tokens, runs, disk[tokens]["recompute_s"], disk[tokens]["hit_s"], tolerance)
+    points = [_gate_point(tokens, runs, disk[tokens]["recompute_s"], disk[tokens]["hit_s"], tolerance,
+                          misses.get(tokens, []))
               for tokens, runs in sorted(gated.items())]
     return {"tolerance": tolerance, "points": points, "max_ratio": max(p["ratio"] for p in points),
             "all_ok": all(p["ok"] for p in points), "all_right": all(p["right"] for p in points)}
 
 
 def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, disk_s: float,
-                tolerance: float) -> dict[str, Any]:
+                tolerance: float, misses: list[float]) -> dict[str, Any]:
     """One length of ``gate_check``; ``admitted``: how many of the gated runs loaded (the rest recomputed).
 
-    ``ok``: the gated median is at most ``tolerance`` times the better path (time, all costs
-    included). ``right``: every run took a path whose own median, measured in the recompute and
-    disk engines, is at most ``tolerance`` times the better one (the decision alone). ``gate_s`` /
-    ``gate_share``: the gate's own decision time (median, in the gated engine: the same path) and
-    its share of the better path, where the scheduler's counters gave it.
+    ``best_s``: the better path. With ``misses`` each path is measured in the gated engine where it
+    ran there (recompute: its misses, prompts no engine stored; disk: its admitted runs less the
+    gate's decision time), else in the disk engine - fresh engines differ from each other by more
+    than 5 % on the same path at short lengths; without, in the recompute and disk engines. ``ok``: the gated median is at most ``tolerance`` times ``best_s``;
+    ``ratio_engines``: the gated median against the recompute and disk engines alone. ``right``:
+    every run took a path whose own median, in the recompute and disk engines, is at most
+    ``tolerance`` times the better one (the decision alone). ``gate_s`` / ``gate_share``: the gate's
+    own decision time (median) and its share of the better path, where the counters gave it.
     """
     seconds = [float(run["seconds"]) for run in runs]
-    gated_s, best_s = median(seconds), min(recompute_s, disk_s)
+    loads = [float(run["seconds"]) for run in runs if run["admitted"]]
     gate_us = [int(run["gate_us"]) for run in runs if "gate_us" in run]
+    gate_s = median(gate_us) / 1e6 if gate_us else 0.0
+    gated_s, engines_best = median(seconds), min(recompute_s, disk_s)
+    best_s = engines_best
+    if misses:  # the loads less the gate's decision: that path without the gate
+        best_s = min(median(misses), median(loads) - gate_s if loads else disk_s)
     ratio = gated_s / best_s
-    admitted = sum(1 for run in runs if run["admitted"])
+    admitted = len(loads)
     chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])
     return {"tokens": tokens, "gated_s": round(gated_s, 6), "recompute_s": recompute_s, "disk_s": disk_s,
-            "best_s": best_s, "ratio": round(ratio, 4), "admitted": admitted, "runs": len(runs),
-            "ok": ratio <= tolerance, "right": all(c <= tolerance * best_s for c in chosen),
-            "gated_samples": seconds,
-            **({"gate_s": median(gate_us) / 1e6, "gate_share": round(median(gate_us) / 1e6 / best_s, 6)}
-               if gate_us else {})}
+            **({"miss_s": round(median(misses), 6), "miss_samples": misses} if misses else {}),
+            "best_s": round(best_s, 6), "ratio": round(ratio, 4), "ratio_engines": round(gated_s / engines_best, 4),
+            "admitted": admitted, "runs": len(runs), "ok": ratio <= tolerance,
+            "right": all(c <= tolerance * engines_best for c in chosen), "gated_samples": seconds,
+            **({"gate_s": gate_s, "gate_share": round(gate_s / best_s, 6)} if gate_us else {})}
 
 
 def assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[str, dict[str, Any]], *,
@@ -105,7 +122,11 @@ def assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[s
                    "cold": "first run in the store engine: prefill + store (not used for the fit)",
                    "dram": f"second and later runs in the store engine, DRAM tier {dram_bytes or 0} bytes",
                    "disk": "fresh engine without DRAM tier on the same tree",
-                   **({"gated": "fresh engine like disk, break-even gate from the tiers fitted here"}
+                   **({"gated": "fresh engine like disk, break-even gate from the tiers fitted here, stores off",
+                       "miss": "in the gated engine: prompts no engine stored (recompute with pykv present)",
+                       "gate_check": "gated median against the better path, measured in the gated engine where "
+                                     "it ran that path (misses, its own loads), else in the recompute or disk "
+                                     "engine; ratio_engines: against those engines alone"}
                       if run.check_gate else {}),
                    "fit": "piecewise-linear gain recompute_s - hit_s; last crossing from negative to >= 0",
                    "engine_start_s": {name: e["seconds"] for name, e in engines.items()}},

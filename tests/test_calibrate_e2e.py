@@ -13,6 +13,7 @@ import io
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,7 @@ def test_plan_measures_every_length_and_tier(tmp_path):
 
 
 def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_path):
-    from pykv.jobs.calibrate_plan import CalibrationRun, plan_phases
+    from pykv.jobs.calibrate_plan import MISS_SEED, CalibrationRun, plan_phases
 
     run = CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2, settings={"io_depth": 8},
                          check_gate=True)
@@ -76,11 +77,20 @@ def test_plan_with_check_gate_adds_a_gated_engine_reading_the_fitted_file(tmp_pa
     # warm-ups of the disk and gated engines reuse a stored prompt: no store runs behind the first sample
     assert gated.steps[0] == {"op": "measure", "path": "gated", "tokens": 256, "rep": 0, "seed": 0, "warmup": True}
     assert disk.steps[0]["seed"] == 0 and phases[1].steps[0]["seed"] == 1 and phases[0].steps[0]["seed"] == 1
-    assert [(s["tokens"], s["rep"]) for s in gated.steps[1:]] == [(256, 0), (256, 1), (512, 0), (512, 1)]
-    assert all(s["path"] == "gated" and not s["warmup"] for s in gated.steps[1:])
+    # each length: an unmeasured miss (a length's first run pays one-time costs), then gated runs and
+    # prompts no engine stores (the recompute path with pykv) in turn
+    assert [(s["path"], s["tokens"], s["rep"], s["seed"], s["warmup"]) for s in gated.steps[1:]] == [
+        ("miss", 256, 0, MISS_SEED, True), ("gated", 256, 0, 0, False), ("miss", 256, 0, MISS_SEED, False),
+        ("gated", 256, 1, 0, False), ("miss", 256, 1, MISS_SEED, False),
+        ("miss", 512, 0, MISS_SEED, True), ("gated", 512, 0, 0, False), ("miss", 512, 0, MISS_SEED, False),
+        ("gated", 512, 1, 0, False), ("miss", 512, 1, MISS_SEED, False)]
+    seeds = {s["seed"] for p in phases[:3] for s in p.steps if s["op"] == "measure"}
+    assert MISS_SEED not in seeds  # no engine stores a miss prompt
+    assert extra["store"] is False and disk.engine["kv_transfer_config"]["kv_connector_extra_config"]["store"] is True
     without = plan_phases(CalibrationRun(model="m", root=tmp_path, lengths=[256, 512], repeat=2), tmp_path, tmp_path,
                           1 << 20)
-    assert sum(p.units for p in phases) == sum(p.units for p in without) + 1 + 1 + 2 * 2  # start, warm-up, runs
+    # start, warm-ups (one, then one per length), runs
+    assert sum(p.units for p in phases) == sum(p.units for p in without) + 1 + 1 + 2 + 2 * 2 * 2
 
 
 def test_check_gate_needs_the_disk_tier(tmp_path):
@@ -109,11 +119,12 @@ def test_table_shows_the_gate_check_and_its_verdict():
     text = console.file.getvalue()
     gate_table = text[text.index("gate check: TTFT"):].splitlines()
     header = next(line for line in gate_table if "┃" in line)
-    columns = ["tokens", "gated", "best", "gated / best", "loaded", "right path", "within 5 %", "gate's cost"]
+    columns = ["tokens", "gated", "best", "gated / best", "vs engines", "loaded", "right path", "within 5 %",
+               "gate's cost"]
     assert [c.strip() for c in header.split("┃")] == columns
     assert [[c.strip() for c in line.split("│")] for line in gate_table if "│" in line] == [
-        ["256", "0.1020", "0.1000", "1.02", "0/1", "yes", "yes", "40 us (0.04%)"],
-        ["512", "0.2000", "0.1000", "2.00", "1/1", "yes", "no", "-"]]
+        ["256", "0.1020", "0.1000", "1.02", "1.02", "0/1", "yes", "yes", "40 us (0.04%)"],
+        ["512", "0.2000", "0.1000", "2.00", "2.00", "1/1", "yes", "no", "-"]]
     assert "the gate took the slower path" not in text
     assert "gate check: gated pykv more than 5 % slower than the better of recompute and disk hit at 1 of 2 " \
            "lengths (512 tokens; max 2.00)" in text
@@ -285,7 +296,12 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
     for p in check["points"]:
         admitted = threshold is not None and p["tokens"] >= threshold
         assert (p["admitted"], p["runs"]) == (2 if admitted else 0, 2), (p, threshold)
-        assert p["best_s"] == min(p["recompute_s"], p["disk_s"]) and p["ok"] == (p["gated_s"] / p["best_s"] <= 1.05)
+        # the better path measured in the gated engine: its misses, and its loads less the gate's decision
+        assert len(p["miss_samples"]) == 2 and p["miss_s"] > 0
+        load_s = statistics.median(p["gated_samples"]) - p["gate_s"] if admitted else p["disk_s"]
+        assert p["best_s"] == pytest.approx(min(p["miss_s"], load_s), abs=2e-6)
+        assert p["ok"] == (p["ratio"] <= 1.05) and p["ratio_engines"] == pytest.approx(
+            p["gated_s"] / min(p["recompute_s"], p["disk_s"]), abs=1e-4)
         assert 0 <= p["gate_s"] < p["best_s"] and p["gate_share"] == round(p["gate_s"] / p["best_s"], 6)
     assert check["all_ok"] == all(p["ok"] for p in check["points"])
     assert check["all_right"] == all(p["right"] for p in check["points"])

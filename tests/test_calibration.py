@@ -267,6 +267,15 @@ def test_other_paths_keep_their_checks():
         _check_sample({**gated(512, 256), "path": "recompute"}, block_tokens=256)
 
 
+def test_a_miss_sample_must_find_nothing():
+    miss = {**gated(512, 0), "path": "miss"}
+    assert _check_sample(miss, block_tokens=256) == miss
+    for bad in ({**gated(512, 256), "path": "miss"}, {**gated(512, 0, disk=1), "path": "miss"}):
+        with pytest.raises(PykvError, match=r"^miss run at 512 tokens loaded .*expected nothing \(a prompt no "
+                                            r"engine stored\)$"):
+            _check_sample(bad, block_tokens=256)
+
+
 def runs(path: str, tokens: int, *seconds: float, admitted: bool | None = None) -> list[dict]:
     extra = {} if admitted is None else {"admitted": admitted}
     return [{"path": path, "tokens": tokens, "seconds": s, **extra} for s in seconds]
@@ -321,6 +330,44 @@ def test_gate_check_gives_the_gates_own_decision_time_beside_the_paths():
     assert point["gate_s"] == 50e-6 and point["gate_share"] == round(50e-6 / 0.10, 6) == 0.0005
     assert "gate_s" not in summarize_gate(runs("recompute", 256, 0.10) + runs("disk", 256, 0.30)
                                           + runs("gated", 256, 0.12, admitted=False))["points"][0]
+
+
+def test_gate_check_measures_the_better_path_in_the_gated_engine_when_it_ran_misses():
+    """With misses (prompts no engine stored) the recompute path is the gated engine's own, and an
+    admitted length's load path is its own loads less the gate's decision: the verdict is about the
+    gate, not about one fresh engine against another. ``ratio_engines`` keeps the old comparison."""
+    # 256: refused; this engine recomputes 20 % slower than the recompute engine, refusals as fast as misses
+    short = (runs("recompute", 256, 0.10) + runs("disk", 256, 0.30) + runs("gated", 256, 0.12, 0.121, 0.119,
+                                                                          admitted=False)
+             + runs("miss", 256, 0.121, 0.12, 0.125))
+    # 512: admitted; its loads 0.2 with a 1 ms decision, the disk engine's 0.15, misses 0.5
+    gated = [{**run, "gate_us": 1000} for run in runs("gated", 512, 0.2, 0.2, 0.2, admitted=True)]
+    long = runs("recompute", 512, 0.5) + runs("disk", 512, 0.15) + gated + runs("miss", 512, 0.5, 0.5)
+    check = summarize_gate(short + long)
+    a, b = check["points"]
+    assert (a["miss_s"], a["best_s"], a["ratio"], a["ok"]) == (0.121, 0.121, round(0.12 / 0.121, 4), True)
+    assert a["ratio_engines"] == 1.2 and a["miss_samples"] == [0.121, 0.12, 0.125]
+    assert (b["best_s"], b["ratio"], b["ok"], b["ratio_engines"]) == (0.199, round(0.2 / 0.199, 4), True,
+                                                                      round(0.2 / 0.15, 4))
+    assert check["all_ok"] is True and check["max_ratio"] == round(0.2 / 0.199, 4)
+
+
+@pytest.mark.parametrize("case", ["costly gate", "wrong load", "wrong refusal"])
+def test_gate_check_with_misses_still_fails_a_costly_gate_or_a_wrong_path(case):
+    if case == "costly gate":  # loads of 0.1 s of which the decision took 20 ms: 0.1 / 0.08
+        samples = ([{**r, "gate_us": 20_000} for r in runs("gated", 512, 0.1, 0.1, admitted=True)]
+                   + runs("miss", 512, 0.5) + runs("recompute", 512, 0.5) + runs("disk", 512, 0.1))
+        expected = 1.25
+    elif case == "wrong load":  # loaded where this engine recomputes faster
+        samples = (runs("gated", 512, 0.3, 0.3, admitted=True) + runs("miss", 512, 0.2)
+                   + runs("recompute", 512, 0.2) + runs("disk", 512, 0.3))
+        expected = 1.5
+    else:  # refused where the disk engine loads three times faster
+        samples = (runs("gated", 512, 0.3, 0.3, admitted=False) + runs("miss", 512, 0.3)
+                   + runs("recompute", 512, 0.3) + runs("disk", 512, 0.1))
+        expected = 3.0
+    point = summarize_gate(samples)["points"][0]
+    assert point["ratio"] == expected and point["ok"] is False
 
 
 def test_gate_check_round_trips_through_the_file(tmp_path):

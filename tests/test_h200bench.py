@@ -456,6 +456,17 @@ def test_the_gated_sweep_line_gives_the_gates_own_cost_when_recorded():
     assert "the gate's own cost" not in build_report(stripe_records())[0]
 
 
+def test_the_gated_sweep_gives_both_baselines_per_length_when_recorded():
+    recs = stripe_records()
+    cal = next(r for r in recs if r.get("kind") == "calibration")
+    cal["gate_check"]["points"][0].update(ratio_engines=1.48)
+    cal["gate_check"]["points"][1].update(ratio_engines=1.12)
+    text, _, _ = build_report(recs)
+    assert ("gated sweep per length (better path measured in the gated engine / in the recompute and disk "
+            "engines): 1,024 1.08/1.48, 81,920 1.00/1.12") in text
+    assert "gated sweep per length" not in build_report(stripe_records())[0]
+
+
 def test_the_time_split_adds_the_copiers_side_and_the_devices_when_recorded():
     recs = stripe_records()
     for r in recs:

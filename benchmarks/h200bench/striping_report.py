@@ -334,6 +334,10 @@ def calibration_lines(records: list[dict]) -> list[str]:
                          f"{STRIPE_TARGETS['gate_tolerance']:.2f}x at every length): {verdict(gate['all_ok'])}"
                          + (f"; outside: {', '.join(off)}" if off else "") + f"; right path everywhere: "
                          f"{gate.get('all_right')}")
+            if any("ratio_engines" in p for p in gate["points"]):  # the same runs against fresh engines alone
+                each = ", ".join(f"{p['tokens']:,} {p['ratio']:.2f}/{p['ratio_engines']:.2f}" for p in gate["points"])
+                lines.append(f"gated sweep per length (better path measured in the gated engine / in the recompute "
+                             f"and disk engines): {each}")
             costs = [p for p in gate["points"] if "gate_share" in p]
             if costs:  # the gate's own decision time, in the gated engine (the same path)
                 worst = max(costs, key=lambda p: p["gate_share"])
