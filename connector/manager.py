@@ -81,6 +81,7 @@ class PykvManager(OffloadingManager):
         _, dram_slots = slot_counts(pykv, config)
         self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=True,
                                        workers=len(self.rank_namespaces))
+        self._tiers = (Tier.DRAM, Tier.DISK) if dram_slots else (Tier.DISK,)  # where its loads can come from
         self.store_pause = StorePause(pykv.store_retry_interval)
         self._load_tiers: tuple[str | None, dict[bytes, Tier]] = (None, {})  # the last prepare_load's tiers
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
@@ -154,9 +155,9 @@ class PykvManager(OffloadingManager):
         tiers = self._survey_tiers
         if self.gate is not None:
             deciding = time.perf_counter()
-            unlooked = self.gate.refuses_any_load_of(most_reusable(groups, num_computed_tokens))
+            unlooked = self.gate.refuses_any_load_of(most_reusable(groups, num_computed_tokens), self._tiers)
             self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
-            if unlooked:  # shorter than every threshold: no lookup could admit it
+            if unlooked:  # shorter than the threshold of every tier it has: no lookup could admit it
                 return self._refuse(req_id, 0)
         self._find_tiers([key for tokens_per_block, keys in groups
                           for key in keys[num_computed_tokens // tokens_per_block:]], tiers)

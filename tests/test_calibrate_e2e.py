@@ -372,7 +372,9 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
     assert r["stored"]["worker0"]["store_published"] == 3 + 2
     # below the threshold: no load, the refusal counted, the same tokens as the cold run
     assert r["short2"][0]["num_cached_tokens"] == 0 and disk("refused") == disk("stored") == 0
-    assert refusals("refused") >= 1 and r["refused"]["scheduler"]["pykv:gate_refused_tokens"] >= 512
+    # refused before any lookup: this engine has no DRAM tier, and 512 reusable tokens are below the disk
+    # threshold, so no tokens are counted as refused (nothing was looked up)
+    assert refusals("refused") >= 1 and r["refused"]["scheduler"].get("pykv:gate_refused_tokens", 0) == 0
     assert r["short2"][0]["tokens"] == r["short1"][0]["tokens"]
     # above it: loaded from disk
     assert r["long2"][0]["num_cached_tokens"] == 3 * CHUNK and disk("loaded") == 3

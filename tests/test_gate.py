@@ -155,7 +155,7 @@ def test_no_file_no_gate(tmp_path):
 
 
 def test_short_prefix_is_refused_and_counted_long_one_loads(tmp_path):
-    m = manager(tmp_path, breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 200}))
+    m = manager(tmp_path, dram_bytes="1M", breakeven_file=write_calibration(tmp_path / "cal.json", {"disk": 200}))
     on_disk(m, KEYS[:4])
     m.survey_request("short", [(CHUNK, KEYS[:3])], 0)  # 192 tokens < 200
     assert lookups(m, "short", KEYS[:3]) == [LookupResult.MISS] * 3
@@ -259,6 +259,32 @@ def test_a_request_shorter_than_every_threshold_is_refused_without_touching_the_
     assert m.counters[Metric.GATE_REFUSALS] == 3
 
 
+def test_without_a_dram_tier_a_request_shorter_than_the_disk_threshold_is_refused_unlooked(tmp_path, monkeypatch):
+    """An engine without a DRAM tier can only load from disk: the DRAM threshold does not keep a
+    request that no disk load would be admitted for from being looked up (a stat per block)."""
+    cal = write_calibration(tmp_path / "cal.json", {"disk": 1000, "dram": 150})
+    m = manager(tmp_path, breakeven_file=cal)  # no DRAM tier
+    on_disk(m, KEYS[:3])
+    stats = []
+    contains = m.devices[0].contains
+    monkeypatch.setattr(m.devices[0], "contains", lambda ns, key: stats.append(key) or contains(ns, key))
+    m.survey_request("between", [(CHUNK, KEYS[:3])], 0)  # 192 tokens: above DRAM's 150, below disk's 1000
+    assert stats == [] and lookups(m, "between", KEYS[:3]) == [LookupResult.MISS] * 3 and stats == []
+    assert m.counters[Metric.GATE_REFUSALS] == 1 and m.counters[Metric.GATE_REFUSED_TOKENS] == 0
+    m.shutdown()
+    with_dram = manager(tmp_path / "b", dram_bytes="1M", breakeven_file=cal)  # the same request is looked up
+    on_disk(with_dram, KEYS[:3])
+    with_dram.survey_request("between", [(CHUNK, KEYS[:3])], 0)
+    assert with_dram.counters[Metric.GATE_REFUSED_TOKENS] == 192
+    with_dram.shutdown()
+    long_keys = [bytes([i, 7]) * 18 for i in range(20)]
+    m = manager(tmp_path / "c", breakeven_file=cal)
+    on_disk(m, long_keys)
+    m.survey_request("long", [(CHUNK, long_keys)], 0)  # 1,280 tokens >= 1000 (+ the 5 % margin): admitted
+    assert lookups(m, "long", long_keys) == [LookupResult.HIT] * 20
+    m.shutdown()
+
+
 def test_the_survey_and_the_plan_leave_their_wall_clock_times_in_the_counter_file(tmp_path):
     import time
     m = manager(tmp_path)
@@ -299,6 +325,10 @@ def test_an_unmeasured_tier_keeps_every_request_looked_up():
     assert gate.refuses_any_load_of(299) and not gate.refuses_any_load_of(300)
     assert not gate.refuses_any_load_of(0)  # nothing to load: nothing refused
     assert BreakEvenGate({"disk": math.inf, "dram": math.inf}).refuses_any_load_of(10 ** 9)
+    only_disk = BreakEvenGate({"disk": 1000, "dram": 200})
+    assert not only_disk.refuses_any_load_of(500) and only_disk.refuses_any_load_of(500, tiers=("disk",))
+    assert not only_disk.refuses_any_load_of(1000, tiers=("disk",))
+    assert not BreakEvenGate({"dram": 200}).refuses_any_load_of(10, tiers=("disk",))  # disk not calibrated
 
 
 def test_most_reusable_is_the_prefix_when_every_block_hits():

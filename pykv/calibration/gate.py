@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from pykv.calibration.file import Calibration, CalibrationError
 from pykv.calibration.fit import TIERS
@@ -93,10 +93,11 @@ class BreakEvenGate:
             return True
         return hit_tokens >= self.threshold(tier)
 
-    def refuses_any_load_of(self, most_tokens: int) -> bool:
-        """Whether every tier would refuse a load of at most ``most_tokens`` tokens: then no lookup
-        can change the decision, and a request that short is refused without touching the tree."""
-        return 0 < most_tokens < min(self.threshold(tier) for tier in TIERS)
+    def refuses_any_load_of(self, most_tokens: int, tiers: Collection[str] = TIERS) -> bool:
+        """Whether every tier of ``tiers`` (those the engine has) would refuse a load of at most
+        ``most_tokens`` tokens: then no lookup can change the decision, and a request that short is
+        refused without touching the tree."""
+        return 0 < most_tokens < min(self.threshold(tier) for tier in tiers)
 
     def decide(self, groups: Sequence[tuple[int, Sequence[bytes]]], num_computed_tokens: int,
                tier_of: TierOf) -> GateDecision:
