@@ -386,3 +386,7 @@ def test_plot_shows_the_gated_runs(tmp_path):
     path = save_plot(calibration(details={"gate_check": check}), tmp_path / "plot.png")
     plain = save_plot(calibration(), tmp_path / "plain.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.read_bytes() != plain.read_bytes()
+    with_misses = summarize_gate(runs("recompute", 1024, 0.1) + runs("disk", 1024, 0.3)
+                                 + runs("gated", 1024, 0.1, admitted=False) + runs("miss", 1024, 0.2))
+    missed = save_plot(calibration(details={"gate_check": with_misses}), tmp_path / "missed.png")
+    assert missed.read_bytes() != path.read_bytes()  # the misses drawn as a series of their own

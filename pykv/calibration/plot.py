@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def save_plot(calibration: Calibration, path: str | os.PathLike[str]) -> Path:
     """TTFT against prefix length for recomputation, each tier's hits and the gate check's gated runs
-    (when measured), break-even marked; PNG."""
+    and misses (when measured), break-even marked; PNG."""
     import io
 
     import matplotlib
@@ -40,6 +40,10 @@ def save_plot(calibration: Calibration, path: str | os.PathLike[str]) -> Path:
     if gated:
         axes.plot([p["tokens"] for p in gated], [p["gated_s"] for p in gated], marker="^", linestyle=":",
                   color="grey", label="gated (disk, gate on)")
+        missed = [p for p in gated if "miss_s" in p]
+        if missed:  # the recompute path measured in the gated engine
+            axes.plot([p["tokens"] for p in missed], [p["miss_s"] for p in missed], marker="v", linestyle=":",
+                      color="silver", label="miss (gated engine)")
     axes.set_xscale("log", base=2)
     axes.set_xticks(xs, [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in xs])
     axes.minorticks_off()
