@@ -16,12 +16,13 @@ PHASE.json EVENTS.jsonl``, run by ``pykv.jobs.runner``), GPU prefix caching off 
 4. ``gated`` (``check_gate``) - the tiers fitted from phases 1-3 written to a
    calibration file, the page cache dropped again, then a fresh engine like
    ``disk`` but with that file as its ``breakeven_file``: each prompt ``repeat``
-   times, each either a full disk load (admitted) or a recompute (refused), in turn
-   with prompts no engine stored (``miss``: the recompute path with pykv in the
-   engine) after one unmeasured miss of that length; stores off. The calibration's ``gate_check`` compares it per
-   length with the better path measured in this engine where it ran that path
-   (misses; its own loads), else in the recompute and disk engines (``ok``: at
-   most ``GATE_TOLERANCE`` times that; ``ratio_engines``: against those engines alone).
+   times, each either a full disk load (admitted) or a recompute (refused), in
+   turn with prompts no engine stored (``miss``: the recompute path with pykv in
+   the engine) after one unmeasured miss of that length; stores off. The
+   calibration's ``gate_check`` compares it per length with the better path,
+   measured in this engine where it ran that path (misses; its own loads), else
+   in the disk engine (``ok``: at most ``GATE_TOLERANCE`` times that;
+   ``ratio_engines``: against the recompute and disk engines alone).
 
 The prompt for length L has L + 1 tokens, so a hit loads exactly L tokens and
 computes one; ``max_tokens=1``; TTFT is the wall time of ``LLM.generate``. Every

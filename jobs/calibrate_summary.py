@@ -72,8 +72,9 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
     ``best_s``: the better path. With ``misses`` each path is measured in the gated engine where it
     ran there (recompute: its misses, prompts no engine stored; disk: its admitted runs less the
     gate's decision time), else in the disk engine - fresh engines differ from each other by more
-    than 5 % on the same path at short lengths; without, in the recompute and disk engines. ``ok``: the gated median is at most ``tolerance`` times ``best_s``;
-    ``ratio_engines``: the gated median against the recompute and disk engines alone. ``right``:
+    than 5 % on the same path at short lengths; without, in the recompute and disk engines.
+    ``ok``: the gated median is at most ``tolerance`` times ``best_s``; ``ratio_engines``: the
+    gated median against the recompute and disk engines alone. ``right``:
     every run took a path whose own median, in the recompute and disk engines, is at most
     ``tolerance`` times the better one (the decision alone). ``gate_s`` / ``gate_share``: the gate's
     own decision time (median) and its share of the better path, where the counters gave it.
@@ -84,8 +85,8 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
     gate_s = median(gate_us) / 1e6 if gate_us else 0.0
     gated_s, engines_best = median(seconds), min(recompute_s, disk_s)
     best_s = engines_best
-    if misses:  # the loads less the gate's decision: that path without the gate
-        best_s = min(median(misses), median(loads) - gate_s if loads else disk_s)
+    if misses:  # the loads less the gate's decision (at most half of them): that path without the gate
+        best_s = min(median(misses), median(loads) - min(gate_s, median(loads) / 2) if loads else disk_s)
     ratio = gated_s / best_s
     admitted = len(loads)
     chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])
