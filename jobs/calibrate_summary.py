@@ -85,8 +85,11 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
     gate_s = median(gate_us) / 1e6 if gate_us else 0.0
     gated_s, engines_best = median(seconds), min(recompute_s, disk_s)
     best_s = engines_best
-    if misses:  # the loads less the gate's decision (at most half of them): that path without the gate
-        best_s = min(median(misses), median(loads) - min(gate_s, median(loads) / 2) if loads else disk_s)
+    if misses:
+        load_s = disk_s
+        if loads:  # its own loads less the gate's decision (at most half of them): that path without the gate
+            load_s = median(loads) - min(gate_s, median(loads) / 2)
+        best_s = min(median(misses), load_s)
     ratio = gated_s / best_s
     admitted = len(loads)
     chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])

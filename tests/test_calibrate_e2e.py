@@ -13,7 +13,6 @@ import io
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from pykv.calibration import Calibration, TierCalibration
+from pykv.calibration import Calibration, TierCalibration, median
 from pykv.commands.app import app
 from pykv.errors import InputError, PykvError
 
@@ -298,7 +297,7 @@ def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypat
         assert (p["admitted"], p["runs"]) == (2 if admitted else 0, 2), (p, threshold)
         # the better path measured in the gated engine: its misses, and its loads less the gate's decision
         assert len(p["miss_samples"]) == 2 and p["miss_s"] > 0
-        load_s = statistics.median(p["gated_samples"]) - p["gate_s"] if admitted else p["disk_s"]
+        load_s = median(p["gated_samples"]) - p["gate_s"] if admitted else p["disk_s"]
         assert p["best_s"] == pytest.approx(min(p["miss_s"], load_s), abs=2e-6)
         assert p["ok"] == (p["ratio"] <= 1.05) and p["ratio_engines"] == pytest.approx(
             p["gated_s"] / min(p["recompute_s"], p["disk_s"]), abs=1e-4)
