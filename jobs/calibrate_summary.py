@@ -95,7 +95,7 @@ def _gate_point(tokens: int, runs: list[dict[str, Any]], recompute_s: float, dis
     chosen = ([disk_s] if admitted else []) + ([recompute_s] if admitted < len(runs) else [])
     return {"tokens": tokens, "gated_s": round(gated_s, 6), "recompute_s": recompute_s, "disk_s": disk_s,
             **({"miss_s": round(median(misses), 6), "miss_samples": misses} if misses else {}),
-            "best_s": round(best_s, 6), "ratio": round(ratio, 4), "ratio_engines": round(gated_s / engines_best, 4),
+            "best_s": best_s, "ratio": round(ratio, 4), "ratio_engines": round(gated_s / engines_best, 4),
             "admitted": admitted, "runs": len(runs), "ok": ratio <= tolerance,
             "right": all(c <= tolerance * engines_best for c in chosen), "gated_samples": seconds,
             **({"gate_s": gate_s, "gate_share": round(gate_s / best_s, 6)} if gate_us else {})}
