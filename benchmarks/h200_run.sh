@@ -61,13 +61,13 @@ if [ ! -d "$SITE/vllm" ]; then
     fi
 fi
 
-# 2. pykv as installed: pykv/ with connector/ as pykv/connector, jobs/ as pykv/jobs and commands/ as
-#    pykv/commands (pyproject's package-dir mapping; the commands run only where typer and rich are)
+# 2. pykv as installed: pykv/ as it is (a snapshot from before the one-package layout also has
+#    top-level connector/, jobs/ and commands/: they are put under pykv/ as its wheel did)
 SHIM=$WORK/shim
 rm -rf "$SHIM" && mkdir -p "$SHIM"
 SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ and connector/ (e.g. .device/snap) instead of the working tree
 cp -r "$SRC/pykv" "$SHIM/pykv"
-rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
+[ -d "$SRC/connector" ] && rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
 [ -d "$SRC/jobs" ] && rm -rf "$SHIM/pykv/jobs" && cp -r "$SRC/jobs" "$SHIM/pykv/jobs"
 [ -d "$SRC/commands" ] && rm -rf "$SHIM/pykv/commands" && cp -r "$SRC/commands" "$SHIM/pykv/commands"
 find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +

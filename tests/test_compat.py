@@ -1,4 +1,4 @@
-"""``connector/compat.py`` and ``connector/offload_keys.py``: pykv's vLLM knowledge equals what the
+"""``pykv/connector/compat.py`` and ``pykv/connector/offload_keys.py``: pykv's vLLM knowledge equals what the
 installed vLLM computes.
 
 The offload keys (``chunk_offload_keys``, ``PromptOffloadKeys``) are checked against vLLM's

@@ -1,4 +1,4 @@
-"""pykv against vLLM 0.33's connector/scheduler contract (faithful fakes in ``vllm033_fakes``)
+"""pykv against vLLM 0.33's pykv/connector/scheduler contract (faithful fakes in ``vllm033_fakes``)
 and against KV-group layouts where vLLM counts groups pykv does not offload.
 
 A real ``PykvManager``/``PykvWorker`` pair on CPU tensors (``reliability.connector_rig``);

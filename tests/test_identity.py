@@ -1,4 +1,4 @@
-"""What a namespace is keyed on: the model's content and vLLM's block-hash seed (connector/identity.py)."""
+"""What a namespace is keyed on: the model's content and vLLM's block-hash seed (pykv/connector/identity.py)."""
 
 from __future__ import annotations
 

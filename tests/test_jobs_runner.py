@@ -1,4 +1,4 @@
-"""``jobs/runner.py`` and ``jobs/progress.py``: one engine process per job, its events, its failures.
+"""``pykv/jobs/runner.py`` and ``pykv/jobs/progress.py``: one engine process per job, its events, its failures.
 
 The engine process is a shell script standing in for ``python -m MODULE PLAN EVENTS``
 ($3 = the plan, $4 = the events file), so these tests need no vLLM.

@@ -1,4 +1,4 @@
-"""``jobs/settle.py``: waiting for an engine's pykv processes to be quiet, from their counter files."""
+"""``pykv/jobs/settle.py``: waiting for an engine's pykv processes to be quiet, from their counter files."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``pykv serve`` without starting vLLM: the command it runs, its environment, its refusals
-(``commands/serve.py``, ``jobs/serve.py``); ``pykv --version``. The server itself:
+(``pykv/commands/serve.py``, ``pykv/jobs/serve.py``); ``pykv --version``. The server itself:
 tests/test_serve_e2e.py."""
 
 from __future__ import annotations

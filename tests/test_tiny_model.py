@@ -1,4 +1,4 @@
-"""``jobs/tiny_model.py``: the test model's weights are what its seed says, whatever libraries are installed."""
+"""``pykv/jobs/tiny_model.py``: the test model's weights are what its seed says, whatever libraries are installed."""
 
 from __future__ import annotations
 

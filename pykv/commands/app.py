@@ -1,6 +1,6 @@
 """The ``pykv`` command: one typer app; each subcommand lives in its own module.
 
-To add a command, write ``commands/<name>.py`` with a function and register it
+To add a command, write ``pykv/commands/<name>.py`` with a function and register it
 below with ``app.command("<name>")(<module>.<function>)``; then regenerate the
 completions and docs (``python -m pykv.commands.completions --write completions/
 --docs docs/cli.md``).
