@@ -127,3 +127,25 @@ def test_runner_and_protocol_import_neither_vllm_nor_torch():
     code = ("import sys, pykv.jobs.runner, pykv.jobs.progress, pykv.jobs.calibrate, pykv.jobs.warm, pykv.jobs.demo; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_the_engine_imports_the_installed_pykv_whatever_the_current_directory_holds(tmp_path, monkeypatch):
+    """A folder named ``pykv`` where the command runs (the clone's parent, say) must not shadow the
+    installed package in the engine process: ``python -m`` puts the current directory first on
+    ``sys.path`` unless ``PYTHONSAFEPATH`` is set."""
+    import pykv
+    shadow = tmp_path / "cwd" / "pykv" / "jobs"
+    shadow.mkdir(parents=True)
+    (shadow.parent / "__init__.py").write_text("raise ImportError('the shadow pykv was imported')\n")
+    (shadow / "__init__.py").write_text("")
+    (shadow / "nothing.py").write_text("raise SystemExit(7)\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    work = tmp_path / "work"
+    work.mkdir()
+    j = EngineJob("shadow", "pykv.jobs.progress", {"x": 1}, work, env=env, python=sys.executable)
+    with pytest.raises(JobFailed) as failure:
+        j.run()  # pykv.jobs.progress as a script does nothing: the job ends without a result
+    log = j.log.read_text()
+    assert "shadow pykv" not in log and failure.value.exit_code == 0, log  # ran the installed module
+    assert Path(pykv.__file__).parent != shadow.parent

@@ -29,7 +29,7 @@ def test_dry_run_prints_the_openai_server_with_pykvs_config_and_passes_vllm_flag
     assert result.exit_code == 0, result.output
     words = shlex.split(result.stdout)
     assert words[0] == "PYTHONHASHSEED=0"
-    assert words[1:6] == [sys.executable, "-m", SERVER_MODULE, "--model", "/models/llama"]
+    assert words[1:7] == [sys.executable, "-P", "-m", SERVER_MODULE, "--model", "/models/llama"]
     config = json.loads(words[words.index("--kv-transfer-config") + 1])
     extra = config["kv_connector_extra_config"]
     assert extra["root"] == str(tmp_path / "tree") and extra["dram_bytes"] == 1 << 30 and extra["io_depth"] == 4
@@ -41,8 +41,8 @@ def test_dry_run_prints_the_openai_server_with_pykvs_config_and_passes_vllm_flag
 
 
 def test_a_set_seed_is_kept_and_an_unset_one_defaults_to_zero():
-    assert engine_env({"PYTHONHASHSEED": "42"}) == ({"PYTHONHASHSEED": "42"}, False)
-    assert engine_env({}) == ({"PYTHONHASHSEED": "0"}, True)
+    assert engine_env({"PYTHONHASHSEED": "42"}) == ({"PYTHONHASHSEED": "42", "PYTHONSAFEPATH": "1"}, False)
+    assert engine_env({}) == ({"PYTHONHASHSEED": "0", "PYTHONSAFEPATH": "1"}, True)
 
 
 def test_a_given_memory_fraction_is_kept():

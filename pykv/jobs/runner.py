@@ -52,6 +52,13 @@ class JobFailed(PykvError):
         super().__init__(f"the {name} engine {what}{': ' + cause if cause else ''}; its log is {log}")
 
 
+SAFE_PATH_FLAG = ("-P",)
+"""Python's flag that keeps the current directory off ``sys.path``: an engine imports the installed
+pykv, not a folder named ``pykv`` where the command was started."""
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+"""The same for every process the engine starts (vLLM's workers, its server's children)."""
+
+
 def require_vllm(command: str) -> None:
     """One clear line when vLLM is not installed (looked up, not imported)."""
     if importlib.util.find_spec("vllm") is None:
@@ -77,7 +84,8 @@ class EngineJob:
         plan, events = self.work / f"{self.name}.plan.json", self.work / f"{self.name}.events.jsonl"
         plan.write_text(json.dumps(self.plan))
         with open(self.log, "w") as log_file:
-            process = subprocess.Popen([self.python, "-m", self.module, str(plan), str(events)], env=self.env,
+            process = subprocess.Popen([self.python, "-m", self.module, str(plan), str(events)],
+                                       env={**self.env, **SAFE_PATH_ENV},
                                        stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
         reader, error, code = EventReader(events), None, None

@@ -21,6 +21,7 @@ import sys
 from typing import Any, Sequence
 
 from pykv.errors import InputError
+from pykv.jobs.runner import SAFE_PATH_ENV, SAFE_PATH_FLAG
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SEED_ENV = "PYTHONHASHSEED"
@@ -59,18 +60,20 @@ def engine_env(environ: dict[str, str] | None = None) -> tuple[dict[str, str], b
     """The environment an engine with pykv needs, and whether ``PYTHONHASHSEED`` was defaulted.
 
     vLLM's block hashes depend on the seed; every engine of a tree must share it, so
-    it defaults to 0 (what ``pykv warm`` and ``pykv demo`` use) unless set.
+    it defaults to 0 (what ``pykv warm`` and ``pykv demo`` use) unless set. ``PYTHONSAFEPATH``: the
+    engine imports the installed pykv whatever the current directory holds.
     """
     env = dict(os.environ if environ is None else environ)
     defaulted = SEED_ENV not in env
     env.setdefault(SEED_ENV, DEFAULT_SEED)
+    env.update(SAFE_PATH_ENV)
     return env, defaulted
 
 
 def server_command(model: str, kv_transfer_config: dict[str, Any], vllm_args: Sequence[str],
                    python: str = sys.executable) -> list[str]:
     """argv of vLLM's OpenAI-compatible server on ``model`` with ``kv_transfer_config``."""
-    return [python, "-m", SERVER_MODULE, "--model", model,
+    return [python, *SAFE_PATH_FLAG, "-m", SERVER_MODULE, "--model", model,
             "--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":")),
             *check_vllm_args(vllm_args)]
 
