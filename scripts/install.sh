@@ -32,4 +32,29 @@ else
     step "installing pykv"
     pip install -q .
 fi
-step "done in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s: $(pykv --version 2>/dev/null || echo pykv); try \`pykv demo\`"
+
+# What was installed must run, or this script fails naming why: every module of the installed pykv
+# imports (from /, so a pykv folder here cannot stand in for it) and the `pykv` command starts.
+step "checking the installed pykv"
+if ! problem=$(cd / && python -P -c '
+import importlib, pkgutil, sys, pykv
+failed = []
+for module in pkgutil.walk_packages(pykv.__path__, "pykv."):
+    if module.name.endswith("__main__"):
+        continue
+    try:
+        importlib.import_module(module.name)
+    except Exception as exc:
+        failed.append(f"{module.name}: {type(exc).__name__}: {exc}")
+if failed:
+    sys.exit("\n".join(failed))
+' 2>&1 >/dev/null); then
+    printf 'install.sh: pykv was installed but does not import:\n%s\n' "$problem" >&2
+    exit 1
+fi
+if ! version=$(cd / && pykv --version 2>&1); then
+    printf 'install.sh: the `pykv` command does not run (is %s/bin on PATH?):\n%s\n' \
+        "$(python -c 'import sys; print(sys.prefix)')" "$version" >&2
+    exit 1
+fi
+step "done in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s: $version; try \`pykv demo\`"
