@@ -1,14 +1,16 @@
-"""pykv's counters: their names, what each means, and the counter files that carry them out.
+"""pykv's counters and gauges: their names, what each means, and the counter files that carry them out.
 
-Two kinds of counters:
+What vLLM exports (``get_stats``, Prometheus ``/metrics``; ``prometheus_names`` lists the samples):
 
-- ``Metric``: the scheduler's counters that vLLM exports (``get_stats``, Prometheus
-  ``/metrics``), documented in ``METRIC_DOCS``.
-- ``WorkerCounter`` and ``SchedulerCounter``: each process's own counters, written to a
-  counter file when ``PYKV_STATS_FILE`` is set. vLLM has no channel for worker-side
-  counters and in its default multiprocess mode neither side runs in the caller's
-  process, so the jobs that drive engines (calibrate, warm, demo, the end-to-end tests)
-  read these files.
+- ``Metric``: the scheduler's counters, documented in ``METRIC_DOCS``;
+- ``Gauge``: the scheduler's gauges, one per device of the tree (``pykv.maintenance.gauges``).
+
+Each process's own counters:
+
+- ``WorkerCounter`` and ``SchedulerCounter``: written to a counter file when
+  ``PYKV_STATS_FILE`` is set. vLLM has no channel for worker-side counters and in its
+  default multiprocess mode neither side runs in the caller's process, so the jobs that
+  drive engines (calibrate, warm, demo, the end-to-end tests) read these files.
 
 A counter file is ``$PYKV_STATS_FILE.<role>.json`` (roles ``scheduler``, ``worker0``,
 ``worker1``, ...), one JSON object of name to integer, replaced atomically (by a writer
@@ -83,9 +85,46 @@ class Metric(_Documented):
     EVICT_LEASE_SKIPS = ("pykv:evict_lease_skips",
         "Eviction rounds skipped because another engine held the device's eviction lease.")
     EVICT_ERRORS = "pykv:evict_errors", "Eviction rounds that failed (logged; tried again at the next check)."
+    STORED_BLOCKS = ("pykv:stored_blocks",
+        "Storage blocks whose store ended well for vLLM (published, or sealed in the DRAM tier first: a later "
+        "failure of its file counts in pykv:store_failures).")
 
 
 METRIC_DOCS = {metric: metric.doc for metric in Metric}
+
+DEVICE_LABEL = "device"  # a device's index in ``roots`` ("0" with one ``root``)
+ROOT_LABEL = "root"  # its directory (``pykv:device_info`` only)
+
+
+class Gauge(_Documented):
+    """The scheduler's gauges vLLM exports, per device of the tree (label ``device``). NaN: not known
+    (yet): the tree's gauges come from this engine's eviction rounds, which need ``max_tree_bytes``."""
+
+    DEVICE_INFO = "pykv:device_info", "1 per device; its `root` label is the device's directory."
+    TREE_LIMIT_BYTES = ("pykv:tree_limit_bytes",
+        "The max_tree_bytes this engine keeps the device under (0: none; no limit, or `store` false).")
+    TREE_BYTES = ("pykv:tree_bytes",
+        "Bytes of block files on the device after this engine's last eviction round on it (NaN until then).")
+    TREE_BLOCKS = "pykv:tree_blocks", "Block files on the device after that round (NaN until then)."
+    EVICT_BEHIND = ("pykv:evict_behind",
+        "1 while this engine's last round left the device over the limit (stores pause), else 0.")
+    EVICT_ROUND_AGE = ("pykv:evict_round_age_seconds",
+        "Seconds from this engine's last completed round on the device to its latest report (NaN until the "
+        "first round; reports ride on engine steps, so an idle engine shows its last value).")
+    QUARANTINE_BYTES = ("pykv:quarantine_bytes",
+        "Bytes of files in the device's .pykv/quarantine, counted after a round, at most once a minute (NaN "
+        "until then).")
+    QUARANTINE_FILES = ("pykv:quarantine_files",
+        "Files in the device's .pykv/quarantine, counted with pykv:quarantine_bytes (NaN until then).")
+
+    @property
+    def labelnames(self) -> tuple[str, ...]:
+        return (DEVICE_LABEL, ROOT_LABEL) if self is Gauge.DEVICE_INFO else (DEVICE_LABEL,)
+
+
+def prometheus_names() -> frozenset[str]:
+    """The sample names pykv puts on ``/metrics``, as PromQL names them: ``<counter>_total``, ``<gauge>``."""
+    return frozenset({f"{metric}_total" for metric in Metric} | {str(gauge) for gauge in Gauge})
 
 
 class SchedulerCounter(_Documented):

@@ -289,6 +289,44 @@ def test_the_manager_evicts_and_stores_nothing_while_eviction_is_behind(rig, tmp
     assert rig()[0].evictor is None  # no max_tree_bytes: no evictor, no thread
 
 
+def test_the_evictors_gauges_reach_vllms_registry_at_most_once_a_second(rig, tmp_path):
+    from dashboard import exposition_samples, vllm_registry
+    from prometheus_client import generate_latest
+    from treefactory import BLOCK_SIZE, add_block, key
+
+    from pykv.counters import Gauge
+    from pykv.tree import KVTree
+
+    (tmp_path / "tree").mkdir(exist_ok=True)
+    manager, worker, kv = rig(max_tree_bytes=8 * BLOCK_SIZE, evict_interval="1h", evict_min_age="1h")
+    now = [1000.0]
+    manager._clock = lambda: now[0]
+    registry, metrics = vllm_registry(manager.config.extra_config)
+    try:
+        manager.evictor.close()  # this test runs the rounds itself
+        tree = KVTree.open(tmp_path / "tree")
+        for i in range(12):
+            add_block(tree, key(i), published_ago=5)
+        manager.evictor.run_once()
+        ks = keys(2)
+        manager.complete_store(ks, ReqContext("r"))
+        metrics.observe(manager.get_stats().data, 0)  # what vLLM's API server does with each step's stats
+        samples = exposition_samples(generate_latest(registry).decode())
+        assert samples["pykv:tree_bytes"] == [({"device": "0", "engine": "0", "model_name": "m"}, 12 * BLOCK_SIZE)]
+        assert samples["pykv:tree_blocks"][0][1] == 12 and samples["pykv:evict_behind"][0][1] == 1
+        assert samples["pykv:quarantine_files"][0][1] == 0 and samples["pykv:stored_blocks_total"][0][1] == 2
+        assert samples["pykv:tree_limit_bytes"][0][1] == 8 * BLOCK_SIZE  # set at start, never reported again
+        manager.complete_store(keys(1, salt=1), ReqContext("r"))
+        now[0] += 0.5
+        assert Gauge.TREE_BYTES not in manager.get_stats().data["data"]  # a step's counters only: not yet due
+        now[0] += 0.5
+        assert manager.get_stats().data["data"][Gauge.EVICT_ROUND_AGE] == {("0",): pytest.approx(0, abs=5)}
+        assert manager.get_stats() is None  # no new counts, gauges not due
+    finally:
+        manager.shutdown()
+    assert rig()[0].get_stats() is None  # no eviction: its gauges keep their start values, nothing to send
+
+
 def _waiter(worker: PykvWorker, job_ids: set[int]):
     import threading
     thread = threading.Thread(target=worker.wait, args=(job_ids,), daemon=True)

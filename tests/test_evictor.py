@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import time
 
@@ -148,6 +149,32 @@ def test_the_limit_is_per_device(tmp_path):
     ev = TreeEvictor(DeviceSet([a, b]), policy())
     results = ev.run_once()
     assert [r.after_bytes for r in results] == [9 * BLOCK_SIZE, 6 * BLOCK_SIZE]
+
+
+def test_each_round_feeds_its_devices_gauges_and_a_skipped_round_leaves_them(tmp_path):
+    a, b = KVTree.create(tmp_path / "a"), KVTree.create(tmp_path / "b")
+    for tree in (a, b):
+        tree.ensure_namespace(NS)
+    fill(a, 14)
+    young = [add_block(b, key(100 + i), published_ago=5) for i in range(12)]  # too young to evict
+    b.quarantine(young.pop(), "run")
+    ev = TreeEvictor(DeviceSet([a, b]), policy())
+    holder = Lease(a, "other-engine", ttl_s=60)
+    assert holder.acquire()
+    ev.run_once()  # device 0: skipped (another engine's lease); device 1: a round, still over
+    holder.release()
+
+    def values():
+        return {(str(s.gauge), s.labels[0]): s.value for s in ev.gauges.samples()}
+
+    assert math.isnan(values()[("pykv:tree_bytes", "0")]) and math.isnan(values()[("pykv:quarantine_files", "0")])
+    assert values()[("pykv:tree_bytes", "1")] == 11 * BLOCK_SIZE and values()[("pykv:tree_blocks", "1")] == 11
+    assert values()[("pykv:evict_behind", "1")] == 1.0 and ev.behind
+    assert (values()[("pykv:quarantine_files", "1")], values()[("pykv:quarantine_bytes", "1")]) == (1, BLOCK_SIZE)
+    ev.run_once()
+    assert (values()[("pykv:tree_bytes", "0")], values()[("pykv:tree_blocks", "0")]) == (9 * BLOCK_SIZE, 9)
+    assert values()[("pykv:evict_behind", "0")] == 0.0 and values()[("pykv:quarantine_files", "0")] == 0
+    assert 0 <= values()[("pykv:evict_round_age_seconds", "0")] < 60
 
 
 def test_note_stored_wakes_the_thread_and_close_stops_it(tmp_path):

@@ -3,16 +3,19 @@
 The real server runs on 127.0.0.1 (a free port) and is asked over HTTP (urllib)
 with token-id prompts (the tiny model has no tokenizer). One warm run stores
 prompt A with the documented flags; server 1 (same flags) hits it on its first
-request and stores prompt B; after a restart, server 2 hits B too. ``/metrics``
-is scraped before the first request (every ``pykv:*`` counter present at 0) and
-after. Every server runs in its own process group, killed whole on any failure;
-every file lives under pytest's ``tmp_path`` (``TMPDIR`` too, checked empty after).
+request and stores prompt B; after a restart, server 2 (with ``max_tree_bytes``) hits B
+too. ``/metrics`` is scraped before the first request (every ``pykv:*`` counter present
+at 0, every metric of the Grafana dashboard present) and after (server 2's gauges show
+the tree its eviction rounds found). Every server runs in its own process group, killed
+whole on any failure; every file lives under pytest's ``tmp_path`` (``TMPDIR`` too,
+checked empty after).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -30,6 +33,8 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
+from dashboard import dashboard_metric_names, exposition_samples  # noqa: E402
+
 from pykv.connector.spec import METRIC_DOCS  # noqa: E402
 from pykv.jobs.tiny_model import make_tiny_llama  # noqa: E402
 
@@ -44,6 +49,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 PROMPT_A, PROMPT_B = tokens(1, 1000), tokens(2, 1000)
+SHORT = tokens(3, 40)  # shorter than a storage block: stores nothing
+LIMIT = 1 << 30  # server 2's max_tree_bytes: far above the tree, evicts nothing
 HIT_TOKENS = 768  # three whole 256-token storage blocks of a 1,000-token prompt
 
 
@@ -58,11 +65,13 @@ def pykv(*args: object) -> list[str]:
 
 
 @contextlib.contextmanager
-def server(work: Path, model: Path, root: Path, name: str) -> Iterator[str]:
-    """`pykv serve` in a process group of its own; yields its base URL; kills the group on exit."""
+def server(work: Path, model: Path, root: Path, name: str, *settings: str) -> Iterator[str]:
+    """`pykv serve` (``--set`` each of ``settings``) in a process group of its own; yields its base URL;
+    kills the group on exit."""
     port = free_port()
     log = open(work / f"{name}.log", "w")
-    proc = subprocess.Popen(pykv("serve", model, "--root", root, "--host", "127.0.0.1", "--port", port,
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    proc = subprocess.Popen(pykv("serve", model, "--root", root, *sets, "--host", "127.0.0.1", "--port", port,
                                  "--enable-prompt-tokens-details", *ENGINE_FLAGS),
                             env=work_env(work), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -115,10 +124,14 @@ def cached_tokens(reply: dict) -> int:
     return (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-def metrics(url: str) -> dict[str, float]:
-    """``pykv:*`` counters of ``/metrics`` (Prometheus's ``<name>_total`` samples, summed over labels)."""
+def scrape(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def metrics(url: str, text: str | None = None) -> dict[str, float]:
+    """``pykv:*`` counters of ``/metrics`` (Prometheus's ``<name>_total`` samples, summed over labels)."""
+    text = scrape(url) if text is None else text
     out: dict[str, float] = {}
     for line in text.splitlines():
         sample = line.split("{", 1)[0].split(" ", 1)[0]
@@ -139,28 +152,35 @@ def runs(tmp_path_factory) -> dict:
     model = make_tiny_llama(work / "model")
     MODEL_NAME[:] = [str(model)]
     root = work / "tree"
+    root.mkdir()  # as `pykv init` makes it: no pykv command or engine creates a root
     prompts = work / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": PROMPT_A}) + "\n")
     out: dict = {}
     dry = subprocess.run(pykv("warm", prompts, "--model", model, "--root", root, "--json", "--dry-run",
                               *ENGINE_FLAGS), env=work_env(work), capture_output=True, text=True)
-    out["dry"], out["dry_root_exists"] = dry, root.exists()
+    out["dry"], out["dry_root_entries"] = dry, sorted(p.name for p in root.iterdir())
     out["warm"] = subprocess.run(pykv("warm", prompts, "--model", model, "--root", root, "--json",
                                       *ENGINE_FLAGS), env=work_env(work), capture_output=True, text=True)
     out["files_after_warm"] = len(block_files(root))
     out["tmp_left"] = sorted(p.name for p in (work / "tmp").iterdir())  # by the warm runs
     with server(work, model, root, "server1") as url:
-        out["metrics_at_start"] = metrics(url)
+        out["text_at_start"] = scrape(url)
+        out["metrics_at_start"] = metrics(url, out["text_at_start"])
         out["a1"] = complete(url, PROMPT_A)
         out["b1"] = complete(url, PROMPT_B)
         deadline = time.monotonic() + 60
         while len(block_files(root)) < 6 and time.monotonic() < deadline:  # B's blocks published
             time.sleep(0.5)
         out["metrics_1"] = metrics(url)
-    with server(work, model, root, "server2") as url:
-        out["metrics_at_start_2"] = metrics(url)
+    with server(work, model, root, "server2", f"max_tree_bytes={LIMIT}", "evict_interval=1s") as url:
+        out["text_at_start_2"] = scrape(url)
+        out["metrics_at_start_2"] = metrics(url, out["text_at_start_2"])
         out["b2"] = complete(url, PROMPT_B)
         out["metrics_2"] = metrics(url)
+        time.sleep(2.5)  # an eviction round after b2, and the gauges due again (they ride on a step's stats)
+        complete(url, SHORT)
+        out["gauges_2"] = exposition_samples(scrape(url))
+    out["blocks"] = [(os.stat(p).st_size, os.stat(p).st_blocks * 512) for p in block_files(root)]
     out["inspect"] = json.loads(subprocess.run(pykv("inspect", root, "--json"), capture_output=True,
                                                text=True, check=True).stdout)
     return out
@@ -169,7 +189,7 @@ def runs(tmp_path_factory) -> dict:
 def test_warm_dry_run_creates_nothing(runs):
     assert runs["dry"].returncode == 0, runs["dry"].stderr
     assert json.loads(runs["dry"].stdout)["chunks_stored"] == 3
-    assert not runs["dry_root_exists"]
+    assert runs["dry_root_entries"] == []  # not even the tree's marker
 
 
 def test_warm_stores_what_a_server_with_the_same_flags_hits(runs):
@@ -190,6 +210,30 @@ def test_every_pykv_counter_is_exported_from_the_start(runs):
     for snapshot in ("metrics_at_start", "metrics_at_start_2"):
         assert set(runs[snapshot]) == set(METRIC_DOCS), runs[snapshot]
         assert all(value == 0 for value in runs[snapshot].values()), runs[snapshot]
+
+
+def test_every_dashboard_metric_is_on_metrics_from_the_start(runs):
+    for text in ("text_at_start", "text_at_start_2"):
+        assert dashboard_metric_names() <= set(exposition_samples(runs[text])), text
+
+
+def test_the_gauges_show_the_tree_the_eviction_rounds_found(runs):
+    start, later = exposition_samples(runs["text_at_start"]), runs["gauges_2"]
+    assert [v for _, v in start["pykv:tree_limit_bytes"]] == [0]  # server 1: no max_tree_bytes, no rounds
+    assert math.isnan(start["pykv:tree_bytes"][0][1])
+
+    def value(name: str) -> float:
+        [(labels, v)] = later[name]
+        assert labels["device"] == "0"
+        return v
+
+    [(info, one)] = later["pykv:device_info"]
+    assert one == 1 and Path(info["root"]).name == "tree"
+    assert value("pykv:tree_limit_bytes") == LIMIT and value("pykv:evict_behind") == 0
+    assert value("pykv:tree_blocks") == len(runs["blocks"]) == 6
+    assert value("pykv:tree_bytes") == sum(min(size, allocated) for size, allocated in runs["blocks"])
+    assert (value("pykv:quarantine_files"), value("pykv:quarantine_bytes")) == (0, 0)
+    assert 0 <= value("pykv:evict_round_age_seconds") < 30
 
 
 def test_one_namespace_for_warm_and_both_servers(runs):

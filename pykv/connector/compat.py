@@ -32,6 +32,12 @@ directly, so a new vLLM release means reading and editing this one file.
 | offload keys (last hash of each chunk,  | 26-33     | ``make_offload_key``,          |
 |   ``update_offload_keys``)              |           | ``prompt_block_hasher``; used  |
 |                                         |           | by ``offload_keys.py``         |
+| Prometheus gauges of a spec             | 32, probed| ``gauge_definition``,          |
+|   (``OffloadingGaugeMetadata``,         |           | ``set_gauge``: None / no-op    |
+|   ``OffloadingConnectorStats.set_gauge``)|          | where missing (no gauges)      |
+| binding a spec metric at start          | 32, probed| ``bind_offload_metric``: None  |
+|   (``OffloadPromMetrics.                |           | where missing (the metric      |
+|   _get_prometheus_metric``, private)    |           | appears once first reported)   |
 | ``LLM``, ``SamplingParams``,            | 26-33     | lazy module attributes here    |
 |   ``current_platform``, in-process      |           | (``compat.LLM`` ...),          |
 |   engine (``llm_engine``)               |           | ``engine_vllm_config``,        |
@@ -108,6 +114,12 @@ except ImportError:  # pragma: no cover - 0.26
 
 DEFAULT_OFFLOAD_POLICY = getattr(OffloadPolicy, "CHUNK_LEVEL", None) or getattr(OffloadPolicy, "BLOCK_LEVEL")
 
+try:  # gauges on the offload metrics route (with OffloadingConnectorStats.set_gauge)
+    from vllm.v1.kv_offload.base import OffloadingGaugeMetadata
+except ImportError:  # pragma: no cover - a vLLM whose specs export counters only
+    OffloadingGaugeMetadata = None  # type: ignore[assignment,misc]
+HAS_OFFLOAD_GAUGES = OffloadingGaugeMetadata is not None and hasattr(OffloadingConnectorStats, "set_gauge")
+
 try:  # 30+: request-level failure reporting
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     HAS_TRANSFER_RESULTS = True
@@ -154,9 +166,7 @@ def sync_load_budget(vllm_config: Any) -> Any:
     same step, ``_load_jobs`` maps the job to None). 33 can only fail a request that still
     waits to receive, so a failed sync load cannot be reported: pykv refuses the key.
     """
-    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    return extra.get(SYNC_LOAD_KEY, 0) or 0
+    return extra_config(vllm_config).get(SYNC_LOAD_KEY, 0) or 0
 
 
 def kv_cache_group_count(connector: Any) -> int | None:
@@ -271,6 +281,38 @@ def transfer_results(finished_sending: set[str], finished_recving: set[str], fai
 
 def new_stats() -> OffloadingConnectorStats:
     return OffloadingConnectorStats()
+
+
+def gauge_definition(documentation: str, labelnames: tuple[str, ...]) -> OffloadingMetricMetadata | None:
+    """A spec's gauge for ``build_metric_definitions``, or None where this vLLM exports no spec gauges."""
+    if not HAS_OFFLOAD_GAUGES:
+        return None
+    return OffloadingGaugeMetadata(documentation=documentation, labelnames=labelnames)
+
+
+def set_gauge(stats: OffloadingConnectorStats, name: str, value: float, labels: tuple[str, ...]) -> None:
+    """Report a gauge's value in ``stats`` (the latest wins); nothing where this vLLM has no spec gauges."""
+    if HAS_OFFLOAD_GAUGES:
+        stats.set_gauge(name, value, labels)
+
+
+def extra_config(vllm_config: Any) -> dict[str, Any]:
+    """``kv_transfer_config.kv_connector_extra_config`` (empty when absent)."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    return dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
+
+
+def bind_offload_metric(prom_metrics: Any, name: str, labels: tuple[str, ...], engine_idx: int) -> Any:
+    """The Prometheus child of spec metric ``name`` for one engine and label values, bound now (a
+    labelled metric is absent from ``/metrics`` until bound); None where ``OffloadPromMetrics`` has no
+    per-metric registry (``_get_prometheus_metric``) or registered the metric otherwise."""
+    bind = getattr(prom_metrics, "_get_prometheus_metric", None)
+    if bind is None:
+        return None
+    try:
+        return bind(name, labels, engine_idx)
+    except (KeyError, AssertionError):
+        return None
 
 
 def route_logs() -> None:

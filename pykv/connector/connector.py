@@ -141,10 +141,10 @@ class PykvOffloadingConnector(OffloadingConnector):
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
                            per_engine_labelvalues: Any) -> Any:
-        """vLLM's metrics, with every ``pykv:*`` counter exported at 0 from the start."""
-        from pykv.connector.spec import export_counters_at_zero
+        """vLLM's metrics, with every ``pykv:*`` metric exported from the start (``export_at_start``)."""
+        from pykv.connector.spec import export_at_start
         metrics = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        export_counters_at_zero(metrics, per_engine_labelvalues)
+        export_at_start(metrics, per_engine_labelvalues, compat.extra_config(vllm_config))
         return metrics
 
     # -- worker side ---------------------------------------------------------------------------

@@ -17,8 +17,8 @@ the workers no later than the job's completion (``on_worker_report`` is called
 before vLLM's ``complete_*`` of the same step), so a key whose load failed is
 forgotten before vLLM retries the request and the retry misses instead of looping.
 A store the medium refused pauses stores here too (``StorePause``). With
-``max_tree_bytes`` the manager runs the engine's ``TreeEvictor`` (its own thread) and
-stores nothing while the evictor is behind.
+``max_tree_bytes`` the manager runs the engine's ``TreeEvictor`` (its own thread),
+stores nothing while the evictor is behind, and passes on its per-device gauges.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, Collection
 from pykv.auth import load_key_ring
 from pykv.calibration import BreakEvenGate, most_reusable
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
+from pykv.maintenance.gauges import GaugeSample
 from pykv.counters import CounterFile, Metric, SchedulerCounter
 from pykv.fanout import FanOut, lookup_threads
 from pykv.preload import PreloadPlan, PreloadPlanner
@@ -52,6 +53,8 @@ from pykv.connector.layout import namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
 log = logging.getLogger(__name__)
+
+GAUGE_REPORT_S = 1.0  # the evictor's gauges go to vLLM at most this often (with a step's stats)
 
 
 def _roots(pykv: PykvConfig) -> str:
@@ -89,10 +92,10 @@ class PykvManager(OffloadingManager):
         self.counters: Counter[str] = Counter()
         self.timing: Counter[str] = Counter()  # counter file only (SchedulerCounter), not vLLM's stats
         self._block_bytes = slot_bytes(config)  # what one stored block adds to the tree, at most
-        self.evictor = TreeEvictor(self.devices, EvictionPolicy(pykv.max_tree_bytes, pykv.evict_min_age,
-                                                                pykv.evict_interval)).start() \
-            if pykv.max_tree_bytes and pykv.store else None
+        policy = EvictionPolicy.of(pykv)
+        self.evictor = TreeEvictor(self.devices, policy).start() if policy else None
         self._reported: Counter[str] = Counter()
+        self._gauges_reported = -GAUGE_REPORT_S  # on ``clock``
         self._stats_file = CounterFile("scheduler")
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
             pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
@@ -273,6 +276,8 @@ class PykvManager(OffloadingManager):
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """DRAM entries become hits; a slot stays pinned until every worker's write from it ended."""
         self.residency.store_completed(keys, success)
+        if success:
+            self.counters[Metric.STORED_BLOCKS] += len(keys)
         if self.evictor is not None and success:
             self.evictor.note_stored(len(keys) * self._block_bytes)
         self._write_stats()
@@ -345,16 +350,28 @@ class PykvManager(OffloadingManager):
                  "pykv_store": bool(self.pykv.store), "pykv_preload": bool(self.pykv.preload)}]
 
     def get_stats(self):
-        """pykv's counters since the last call, as vLLM ``OffloadingConnectorStats``."""
+        """pykv's counters since the last call and, when due, the evictor's gauges (``GAUGE_REPORT_S``),
+        as vLLM ``OffloadingConnectorStats``. Called once per engine step."""
         self._take_evictor_counters()
         delta = self.counters - self._reported
-        if not delta:
+        gauges = self._due_gauges()
+        if not delta and not gauges:
             return None
         self._reported = Counter(self.counters)
         stats = compat.new_stats()
         for name, value in delta.items():
             stats.increase_counter(name, value)
+        for sample in gauges:
+            compat.set_gauge(stats, str(sample.gauge), sample.value, sample.labels)
         return stats
+
+    def _due_gauges(self) -> list[GaugeSample]:
+        """The evictor's per-device gauges (none without one: they keep their start values)."""
+        now = self._clock()
+        if self.evictor is None or now - self._gauges_reported < GAUGE_REPORT_S:
+            return []
+        self._gauges_reported = now
+        return self.evictor.gauges.samples()
 
     def _take_evictor_counters(self) -> None:
         if self.evictor is not None:

@@ -25,25 +25,42 @@ from pykv.connector.compat import (
 )
 from pykv.config import PykvConfig
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport  # noqa: F401  (re-exported)
-from pykv.counters import METRIC_DOCS, Metric  # noqa: F401  (re-exported: tests name them here)
+from pykv.counters import METRIC_DOCS, Gauge, Metric  # noqa: F401  (re-exported: tests name them here)
 
 CONFIG_INFO_KEYS = ("pykv_root", "pykv_namespace", "pykv_dram_slots", "pykv_dram_policy", "pykv_io_engine",
                     "pykv_verify", "pykv_store", "pykv_preload")
 
 
-def export_counters_at_zero(prom_metrics: Any, per_engine_labelvalues: dict[int, list[object]]) -> None:
-    """Bind every pykv counter for every engine on vLLM's ``OffloadPromMetrics`` so ``/metrics``
-    shows it at 0 from the start (a labelled Prometheus counter is absent until first bound).
-    Versions without the per-metric registry (``_get_prometheus_metric``) are left as they are."""
-    bind = getattr(prom_metrics, "_get_prometheus_metric", None)
-    if bind is None:
-        return
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Every pykv metric vLLM registers: the counters, and the gauges where this vLLM takes them."""
+    definitions: dict[str, OffloadingMetricMetadata] = {
+        name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRIC_DOCS.items()}
+    for gauge in Gauge:
+        definition = compat.gauge_definition(gauge.doc, gauge.labelnames)
+        if definition is not None:
+            definitions[str(gauge)] = definition
+    return definitions
+
+
+def export_at_start(prom_metrics: Any, per_engine_labelvalues: dict[int, list[object]],
+                    extra_config: dict[str, Any]) -> None:
+    """Bind every pykv metric for every engine on vLLM's ``OffloadPromMetrics`` so ``/metrics`` shows it
+    from the start (a labelled Prometheus metric is absent until first bound): counters at 0, gauges at
+    their start values (``start_samples``: per device of ``extra_config``'s tree). Versions without the
+    per-metric registry are left as they are."""
+    from pykv.maintenance.evictor import EvictionPolicy  # (the API server's process only)
+    from pykv.maintenance.gauges import start_samples
+    pykv = PykvConfig.from_extra_config(extra_config)
+    policy = EvictionPolicy.of(pykv)
+    gauges = start_samples(pykv.root_paths, policy.limit if policy else 0) if compat.HAS_OFFLOAD_GAUGES else []
     for engine_idx in per_engine_labelvalues:
         for name in METRIC_DOCS:
-            try:
-                bind(name, (), engine_idx)
-            except (KeyError, AssertionError):  # a vLLM that registered the metric differently
+            if compat.bind_offload_metric(prom_metrics, name, (), engine_idx) is None:
                 return
+        for sample in gauges:
+            metric = compat.bind_offload_metric(prom_metrics, str(sample.gauge), sample.labels, engine_idx)
+            if metric is not None:
+                metric.set(sample.value)
 
 
 class PykvSpec(OffloadingSpec):
@@ -51,7 +68,7 @@ class PykvSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return {name: OffloadingCounterMetadata(documentation=doc) for name, doc in METRIC_DOCS.items()}
+        return metric_definitions()
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

@@ -19,6 +19,10 @@ A round that ends with the device still over the limit (what is left is younger 
 scheduler then stores nothing (counted, as on a full disk) until a round brings the
 device under the limit again. Nothing here ever fails a store or a load: a deleted
 block is a miss for its reader, and a failed round is logged and tried again.
+
+Each completed round also feeds the engine's gauges (``gauges``, a ``DeviceGauges``):
+what it left on the device, and the device's quarantine, counted right after it (at most
+once a minute per device: a walk of ``.pykv/quarantine``, which changes rarely).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from pykv.config import PykvConfig
 from pykv.counters import Metric
 from pykv.deviceset import DeviceSet
 from pykv.maintenance.catalog import scan_tree
+from pykv.maintenance.gauges import DeviceGauges, quarantine_usage
 from pykv.maintenance.gc import collect_scanned
 from pykv.maintenance.lease import Lease
 from pykv.maintenance.scan import Kind
@@ -44,6 +50,7 @@ log = logging.getLogger(__name__)
 LOW_WATER = 0.9  # a round that evicts goes down to this fraction of the limit
 RETRY_S = 0.25  # after a skipped round (another engine held the lease), check again this soon
 MIN_LEASE_TTL_S = 30.0
+QUARANTINE_EVERY_S = 60.0  # a device's quarantine is counted after a round at most this often
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,14 @@ class EvictionPolicy:
     limit: int
     min_age_s: float
     interval_s: float
+
+    @classmethod
+    def of(cls, pykv: PykvConfig) -> "EvictionPolicy | None":
+        """The policy of an engine with these settings; None where it evicts nothing (no
+        ``max_tree_bytes``, or ``store`` false: it adds nothing to the tree)."""
+        if not (pykv.max_tree_bytes and pykv.store):
+            return None
+        return cls(pykv.max_tree_bytes, pykv.evict_min_age, pykv.evict_interval)
 
     @property
     def low_water(self) -> int:
@@ -82,6 +97,7 @@ class RoundResult:
     vanished_files: int = 0
     young_bytes: int = 0
     seconds: float = 0.0
+    after_blocks: int = 0
 
     def within(self, limit: int) -> bool:
         return self.after_bytes <= limit
@@ -96,26 +112,30 @@ def evict_round(tree: KVTree, lease: Lease, policy: EvictionPolicy) -> RoundResu
         blocks = [e for e in scan_tree(tree).entries if e.kind is Kind.BLOCK]
         total = sum(e.size for e in blocks)
         if total <= policy.limit:
-            return RoundResult(str(tree.root), total, total, seconds=time.monotonic() - started)
+            return RoundResult(str(tree.root), total, total, seconds=time.monotonic() - started,
+                               after_blocks=len(blocks))
         if not lease.renew():  # the scan outlived the lease: whoever holds it now evicts
             return None
         done = collect_scanned(tree, blocks, policy.low_water, min_age_s=policy.min_age_s, started=started)
         return RoundResult(str(tree.root), total, done.remaining_bytes, done.freed_files, done.freed_bytes,
-                           done.vanished_files, done.young_bytes, done.seconds)
+                           done.vanished_files, done.young_bytes, done.seconds,
+                           after_blocks=len(blocks) - done.freed_files - done.vanished_files)
     finally:
         lease.release()
 
 
 class TreeEvictor:
     """Background eviction of one engine over its device set; see the module docstring. ``start``
-    the thread, tell it what the engine stored (``note_stored``), read ``behind`` and ``stats``."""
+    the thread, tell it what the engine stored (``note_stored``), read ``behind``, ``stats`` and ``gauges``."""
 
     def __init__(self, devices: DeviceSet, policy: EvictionPolicy, *,
                  clock: Callable[[], float] = time.time) -> None:
         self.devices, self.policy = devices, policy
+        self.gauges = DeviceGauges(len(devices))
         self.leases = [Lease(tree, ttl_s=policy.lease_ttl_s, clock=clock) for tree in devices]
         self._last_error: str | None = None
         self._round_seconds = [0.0] * len(self.leases)  # each device's last round: a lease outlives three
+        self._quarantine_counted = [-QUARANTINE_EVERY_S] * len(self.leases)  # monotonic
         self._lock = threading.Lock()
         self._stored = 0
         self._behind = False
@@ -177,6 +197,7 @@ class TreeEvictor:
                 self._last_error = None
                 self._round_seconds[index] = result.seconds
                 self._round_done(result)
+                self._gauge(index, tree, result)
             results.append(result)
         if any(r is None for r in results):
             with self._lock:
@@ -202,6 +223,21 @@ class TreeEvictor:
         else:
             log.debug("pykv: eviction check on %s: %s within %s", result.root, format_size(result.before_bytes),
                       format_size(self.policy.limit))
+
+    def _gauge(self, index: int, tree: KVTree, result: RoundResult) -> None:
+        """Record the round and, when due (``QUARANTINE_EVERY_S``), count the device's quarantine (NaN where
+        it cannot be read)."""
+        self.gauges.round_done(index, result.after_blocks, result.after_bytes, not result.within(self.policy.limit))
+        now = time.monotonic()
+        if now - self._quarantine_counted[index] < QUARANTINE_EVERY_S:
+            return
+        self._quarantine_counted[index] = now
+        try:
+            usage = quarantine_usage(tree)
+        except OSError as exc:
+            log.debug("pykv: cannot count the quarantine of %s: %s", tree.root, exc)
+            usage = None
+        self.gauges.quarantine_counted(index, usage)
 
     def _set_behind(self, behind: bool, rounds: list[RoundResult]) -> None:
         if behind and not self._behind:
