@@ -58,7 +58,8 @@ def engine(config: str, args: argparse.Namespace) -> None:
             PykvOffloadingConnector.get_required_kvcache_layout = classmethod(lambda cls, cfg: None)
         cal = Calibration(model="any", dtype="any", kv_layout="any",
                           tiers={"disk": TierCalibration(10**9), "dram": TierCalibration(10**9)})
-        root = os.path.join(args.tree, config)
+        root = os.path.abspath(os.path.join(args.tree, config))
+        os.makedirs(root, exist_ok=True)  # engines never create a root
         engine_name = "io_uring" if config == "gated-uring" else "threadpool"
         extra = {"root": root, "staging_bytes": "2G", "io_engine": engine_name, "io_depth": 32}
         if config == "gated-8":

@@ -11,22 +11,22 @@ _pykv() {
     case "${COMP_WORDS[1]}" in
         demo)
             case "$prev" in
-                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --root|--roots) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --log) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--root --log --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--root --roots --log --help" -- "$cur"))
             fi
             ;;
         serve)
             case "$prev" in
-                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --root|--roots) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --dram) :; return ;;
                 --block-tokens) :; return ;;
                 --set) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--root --dram --block-tokens --set --dry-run --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--root --roots --dram --block-tokens --set --dry-run --help" -- "$cur"))
             fi
             ;;
         inspect)
@@ -87,7 +87,7 @@ _pykv() {
             ;;
         config)
             case "$prev" in
-                --root|--roots) :; return ;;
+                --root|--roots) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --dram) :; return ;;
                 --dram-policy) COMPREPLY=($(compgen -W "lru arc" -- "$cur")); return ;;
                 --staging) :; return ;;
@@ -103,7 +103,7 @@ _pykv() {
         calibrate)
             case "$prev" in
                 --model) :; return ;;
-                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --root|--roots) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --lengths) :; return ;;
                 --tiers) :; return ;;
                 --out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -117,13 +117,13 @@ _pykv() {
                 --bandwidth-size) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--model --root --lengths --tiers --out --plot --no-plot --repeat --block-tokens --engine-arg --engine-args --set --dram-bytes --bandwidth-size --drop-caches --no-drop-caches --check-gate --no-check-gate --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--model --root --roots --lengths --tiers --out --plot --no-plot --repeat --block-tokens --engine-arg --engine-args --set --dram-bytes --bandwidth-size --drop-caches --no-drop-caches --check-gate --no-check-gate --json --help" -- "$cur"))
             fi
             ;;
         warm)
             case "$prev" in
                 --model) :; return ;;
-                --root) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+                --root|--roots) COMPREPLY=($(compgen -d -- "$cur")); return ;;
                 --block-tokens) :; return ;;
                 --engine-arg) :; return ;;
                 --engine-args) :; return ;;
@@ -131,7 +131,7 @@ _pykv() {
                 --batch) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--model --root --block-tokens --engine-arg --engine-args --set --dry-run --skip-bad --batch --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--model --root --roots --block-tokens --engine-arg --engine-args --set --dry-run --skip-bad --batch --json --help" -- "$cur"))
             else
                 COMPREPLY=($(compgen -f -- "$cur"))
             fi

@@ -61,7 +61,16 @@ def _roots(value: Any, key: str) -> tuple[str, ...]:
         raise InputError(f"{PREFIX}.{key}: expected a list of directory paths, one per device, got {str(value)[:80]!r}")
     if len(items) > MAX_DEVICES:
         raise InputError(f"{PREFIX}.{key}: {len(items)} directories; at most {MAX_DEVICES} devices")
+    for index, item in enumerate(items):
+        _require_absolute(item, f"{key}[{index}]")
     return items
+
+
+def _require_absolute(path: str, key: str) -> None:
+    """Roots are absolute: an engine's current directory is no one's choice (``pykv`` commands resolve
+    a relative --root against theirs)."""
+    if not os.path.isabs(path):
+        raise InputError(f"{PREFIX}.{key}: expected an absolute path, got {path[:80]!r}")
 
 
 def _segment(value: Any, key: str) -> int:
@@ -140,6 +149,7 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
 def _root(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InputError(f"{PREFIX}.{key}: expected a directory path, got {value!r}")
+    _require_absolute(value, key)
     return value
 
 
@@ -177,12 +187,13 @@ def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: st
 class PykvConfig:
     """pykv's settings; build with ``PykvConfig.from_extra_config``."""
 
-    root: str = _key(_root, "", "Directory of the pykv tree: created if missing, used if empty or a tree; "
-                     "a directory holding other files is refused (make it a tree with `pykv init`). Required.", "path")
-    roots: tuple[str, ...] = _key(_roots, (), "Directories of one pykv tree each, one per device (a list): "
-                                  "each block lives on one of them, one of three chosen from its key (rendezvous "
-                                  "hashing; the one recent stores used least). "
-                                  "Every directory must exist; give `root` or `roots`.", "paths")
+    root: str = _key(_root, "", "Directory of the pykv tree, an absolute path: it must exist (`pykv init DIR` "
+                     "creates one; pykv never does); used if empty or a tree; a directory holding other files is "
+                     "refused (make it a tree with `pykv init`). Required.", "path")
+    roots: tuple[str, ...] = _key(_roots, (), "Directories of one pykv tree each, one per device (a list of "
+                                  "absolute paths): each block lives on one of them, one of three chosen from its "
+                                  "key (rendezvous hashing; the one recent stores used least). "
+                                  "Every directory must exist, as `root`; give `root` or `roots`.", "paths")
     staging_bytes: int | None = _key(_staging, "auto", "Transient staging memory per worker (slots for disk "
                                      "I/O). auto: two slots per read in flight on every device (2 x io_depth x "
                                      "devices) plus preload_max_bytes when preload is on, at most a quarter of "

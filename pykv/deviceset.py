@@ -12,10 +12,11 @@ dropped out of its candidates is a miss (about 1/N of them either way). The top 
 among the top three, so blocks placed with two choices are found. The set is named
 by the identities, so the order of ``roots`` and the mount paths do not matter.
 
-A set is refused (``InputError`` naming ``roots[i]``) when a root is missing or not a
-directory (a device that is not mounted is never replaced by an empty directory on
-another filesystem), when two roots are the same tree (the same directory, one inside
-another, or a copied marker), or when a root cannot be a tree.
+A set, of one root or several, is refused (``InputError`` naming ``roots[i]``) when a
+root is missing or not a directory (pykv never creates a root: a device that is not
+mounted is never replaced by an empty directory on another filesystem), when two roots
+are the same tree (the same directory, one inside another, or a copied marker), or when
+a root cannot be a tree. ``check_roots`` is that check, for commands to run first.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import xxhash
 
 from pykv.errors import InputError, NotATreeError
 from pykv.namespace import Namespace
-from pykv.tree import MARKER_NAME, KVTree, TreeOptions
+from pykv.tree import MARKER_NAME, KVTree, TreeOptions, check_tree_root, require_root
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +80,10 @@ class DeviceSet:
     @classmethod
     def create(cls, roots: Sequence[Path | str], options: TreeOptions | None = None, *,
                field: str = ROOTS_KEY) -> "DeviceSet":
-        """Open ``roots`` as a set, making each missing marker (``KVTree.create``). With several roots
-        each must be an existing directory: a device that did not mount is refused, not filled."""
-        if len(roots) > 1:
-            _refuse_nested(roots, field)
-            index = absent_root(roots)
-            if index is not None:
-                root = roots[index]
-                what = "is not a directory" if os.path.lexists(root) else "does not exist"
-                raise InputError(f"{_name(field, index, len(roots))}: {root} {what} (a device not mounted?); "
-                                 f"pykv serves a device set only with all of its devices")
-        trees = [KVTree.create(root, options, field=_name(field, index, len(roots)))
+        """Open ``roots`` as a set, writing each missing marker: what an engine opens. Every root,
+        one or several, must be an existing directory (``check_roots``): none is ever created."""
+        check_roots(roots, field=field)
+        trees = [KVTree.create(root, options, field=_name(field, index, len(roots)), mkdir=False)
                  for index, root in enumerate(roots)]
         devices = cls(trees, field=field)
         devices._warn_shared_filesystems(field)
@@ -168,13 +162,20 @@ def overlapping_roots(roots: Sequence[Path | str]) -> tuple[int, int] | None:
     return None
 
 
-def absent_root(roots: Sequence[Path | str]) -> int | None:
-    """With several roots, the first that is not an existing directory (a device that did not mount)."""
-    if len(roots) > 1:
-        for index, root in enumerate(roots):
-            if not os.path.isdir(root):
-                return index
-    return None
+def check_roots(roots: Sequence[Path | str], *, field: str = ROOTS_KEY) -> None:
+    """What ``DeviceSet.create`` refuses, checked without changing anything (``pykv config``, ``serve``,
+    ``warm`` and ``demo`` run it before an engine does): roots that overlap, a root that is not an
+    existing directory (``require_root``), holds other files or has an unusable marker."""
+    require_roots(roots, field=field)
+    for index, root in enumerate(roots):
+        check_tree_root(root, _name(field, index, len(roots)))
+
+
+def require_roots(roots: Sequence[Path | str], *, field: str = ROOTS_KEY) -> None:
+    """Roots that do not overlap, each an existing directory (``require_root``: never created)."""
+    _refuse_nested(roots, field)
+    for index, root in enumerate(roots):
+        require_root(root, _name(field, index, len(roots)))
 
 
 def _refuse_nested(roots: Sequence[Path | str], field: str) -> None:

@@ -28,6 +28,11 @@ class InputError(PykvError):
     """A user-supplied value (size, depth, duration, config key) cannot be used."""
 
 
+class RootError(InputError):
+    """A root that is not an existing directory. pykv never creates one (``pykv init`` does, on
+    request): a device that did not mount must not become an empty directory on another disk."""
+
+
 class UnsafePathError(PykvError, OSError):
     """A name or file pykv will not act on: not one path component, outside the root, not a
     regular file, or larger than its kind allows. An ``OSError`` too, so callers that already

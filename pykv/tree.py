@@ -34,7 +34,7 @@ from typing import Iterator
 
 import xxhash
 
-from pykv.errors import NotATreeError, NotEmptyRootError
+from pykv.errors import NotATreeError, NotEmptyRootError, RootError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import enter_directory
 from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath
@@ -53,6 +53,8 @@ TEMP_INFIX = ".tmp."
 ROOT_EXEMPT = frozenset({"lost+found"})
 #: The config key an engine's root comes from (named when a root is refused).
 ROOT_KEY = "kv_connector_extra_config.root"
+#: Why a missing root is refused, said with every refusal.
+ROOT_RULE = "pykv never creates a root: a device that did not mount must not become an empty directory"
 _HEX = re.compile(r"^[0-9a-f]+\Z")
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
@@ -123,15 +125,20 @@ class KVTree:
 
     @classmethod
     def create(cls, root: Path | str, options: TreeOptions | None = None, *, adopt: bool = False,
-               field: str = ROOT_KEY) -> "KVTree":
-        """Open ``root`` as a tree, creating the directory and marker if absent.
+               field: str = ROOT_KEY, mkdir: bool = True) -> "KVTree":
+        """Open ``root`` as a tree, writing its marker if absent.
 
-        A directory that holds anything but what pykv makes is refused
+        ``mkdir`` (library use and tests) creates a missing directory and its parents; the
+        engines (``DeviceSet.create``) and ``pykv init`` pass False: the root must exist
+        (``require_root``). A directory that holds anything but what pykv makes is refused
         (``NotEmptyRootError``, naming ``field``) unless ``adopt`` (``pykv init``): an
         engine pointed at the user's files never claims them as a tree.
         """
         tree = cls(root, options)
-        tree.root.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
+        if mkdir:
+            tree.root.mkdir(parents=True, exist_ok=True, mode=tree.options.dir_mode)
+        else:
+            require_root(tree.root, field)
         marker = tree.root / MARKER_NAME
         if not os.path.lexists(marker):
             if not adopt:
@@ -306,6 +313,54 @@ def foreign_entries(root: Path | str) -> list[str]:
     with os.scandir(root) as entries:
         return sorted(e.name for e in entries if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
                       and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
+
+
+def require_root(root: Path | str, field: str = ROOT_KEY) -> None:
+    """``RootError`` naming ``field`` unless ``root`` is an existing directory: the one check of a
+    root, one or several, an engine's or a command's (``ROOT_RULE``)."""
+    try:
+        mode = os.stat(root).st_mode
+    except FileNotFoundError:
+        if os.path.islink(root):
+            raise RootError(f"{field}: {root} is a symbolic link to nothing (a device not mounted?); {ROOT_RULE}") from None
+        raise RootError(f"{field}: {root} does not exist; create it with `pykv init {root}` ({ROOT_RULE})") from None
+    except NotADirectoryError:
+        raise RootError(f"{field}: {root} is not a directory (a component of its path is a file)") from None
+    except OSError as exc:
+        reason = "a loop of symbolic links" if exc.errno == errno.ELOOP else exc.strerror
+        raise RootError(f"{field}: {root} cannot be reached ({reason})") from None
+    except ValueError:  # a NUL byte
+        raise RootError(f"{field}: {str(root)!r} is not a path") from None
+    if not stat.S_ISDIR(mode):
+        raise RootError(f"{field}: {root} is not a directory")
+
+
+def check_tree_root(root: Path | str, field: str = ROOT_KEY) -> None:
+    """What ``KVTree.create(root, mkdir=False)`` would refuse, changing nothing: a root that is not an
+    existing directory, a directory holding other files, a marker that cannot be used."""
+    require_root(root, field)
+    if os.path.lexists(Path(root) / MARKER_NAME):
+        KVTree.open(root)  # NotATreeError for a marker it cannot use
+    else:
+        _refuse_if_occupied(Path(root), field)
+
+
+def create_root(root: Path | str, mode: int = 0o700, field: str = ROOT_KEY) -> bool:
+    """Make the directory ``root`` if it is missing (``pykv init``), never its parents: a missing
+    parent is a device not mounted or a typo. True if it was made."""
+    if os.path.lexists(root):
+        require_root(root, field)
+        return False
+    parent = Path(root).absolute().parent
+    if not os.path.isdir(parent):
+        raise RootError(f"{field}: the parent of {root} is not an existing directory; pykv init makes one directory, "
+                        f"never its parents (a device not mounted? else create {parent} first)")
+    try:
+        os.mkdir(root, mode)
+    except FileExistsError:  # made meanwhile
+        require_root(root, field)
+        return False
+    return True
 
 
 def _refuse_if_occupied(root: Path, field: str) -> None:

@@ -7,7 +7,9 @@ import re
 from pykv.errors import InputError
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+_UNIT = r"(?:([KMGTP])(?:I?B)?|B)"  # K, KB, KiB (all binary) ... P, PiB; B: bytes; any case
+_SIZE_RE = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*{_UNIT}?\s*$", re.IGNORECASE)
+_UNIT_RE = re.compile(rf"^{_UNIT}$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 MAX_SIZE = (1 << 63) - 1  # what a file offset (off_t) can express
@@ -16,7 +18,8 @@ _MAX_DIGITS = 40  # longer numbers are refused before any arithmetic on them
 
 
 def parse_size(text: str | int, *, field: str = "size") -> int:
-    """Bytes from ``"500G"``, ``"28M"``, ``"4096"`` or ``"1.5GiB"`` (binary units)."""
+    """Bytes from ``"500G"``, ``"28M"``, ``"1.5GiB"`` (binary units, any case: K, KB and KiB are
+    1024) or ``"4096"`` (a bare number is bytes): the one parser of every size flag and key."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise InputError(f"{field}: must not be negative, got {_short(text)}")
@@ -25,10 +28,17 @@ def parse_size(text: str | int, *, field: str = "size") -> int:
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise InputError(f"{field}: cannot parse size {_short(text)!r} (examples: 4096, 28M, 500G)")
+        raise InputError(f"{field}: cannot parse size {_short(text)!r} (a number of bytes, or with a binary unit: "
+                         f"4096, 28M, 500G, 1.5GiB)")
     number, unit = match.groups()
-    value = _bounded(number, _SIZE_UNITS[unit.upper()], MAX_SIZE, field, "size")
+    value = _bounded(number, _SIZE_UNITS[(unit or "").upper()], MAX_SIZE, field, "size")
     return int(value)
+
+
+def is_unit_word(text: str) -> bool:
+    """True for a size unit alone (``G``, ``GB``, ``gib``, ``B``): the second half of ``16 GB``
+    split into two arguments."""
+    return bool(_UNIT_RE.match(text))
 
 
 def parse_duration(text: str | float, *, field: str = "duration") -> float:

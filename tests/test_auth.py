@@ -114,6 +114,7 @@ def test_the_key_bytes_appear_in_no_repr_and_no_config_output(tmp_path):
     path = key_file(tmp_path, "keys", {"k1": KEY_A, "k0": KEY_B})
     keys = load_key_ring(path)
     assert repr(keys) == f"KeyRing({str(path)!r}, write='k1', read=['k1', 'k0'])" and str(keys) == repr(keys)
+    (tmp_path / "tree").mkdir()
     config = PykvConfig.from_extra_config({"root": str(tmp_path / "tree"), "auth_key_file": str(path)})
     result = CliRunner().invoke(app, ["config", "--root", str(tmp_path / "tree"), "--set", f"auth_key_file={path}"])
     assert result.exit_code == 0, result.output
@@ -238,6 +239,7 @@ def engine(tmp_path):
     made = []
 
     def make(key_path: Path | None, **extra) -> Client:
+        (tmp_path / "tree").mkdir(exist_ok=True)  # as `pykv init` makes it: engines never create a root
         settings = {"root": str(tmp_path / "tree"), "io_engine": "threadpool", **extra}
         if key_path is not None:
             settings["auth_key_file"] = str(key_path)

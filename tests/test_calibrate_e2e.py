@@ -348,6 +348,7 @@ def test_gate_refuses_below_the_threshold_and_loads_above(tmp_path, model):
                       tiers={"disk": TierCalibration(600), "dram": TierCalibration(0)})
     path = cal.save(tmp_path / "cal.json")
     root, stats = tmp_path / "tree", str(tmp_path / "gate.stats")
+    root.mkdir()  # an engine never creates a root
     ktc = PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", "breakeven_file": str(path)}
                                        ).to_kv_transfer_config(CHUNK)
     long, short = prompt(1, 790), prompt(2, 600)

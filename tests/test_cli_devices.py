@@ -27,10 +27,47 @@ def extra_config(result) -> dict:
 
 # -- config -------------------------------------------------------------------------------------
 def test_config_prints_roots_for_several_and_root_for_one(tmp_path):
-    several = extra_config(invoke("config", "--root", "/srv/a", "--roots", "/srv/b", "--root", "/srv/c"))
-    assert several["roots"] == ["/srv/a", "/srv/b", "/srv/c"] and "root" not in several
-    one = extra_config(invoke("config", "--roots", "/srv/a"))
-    assert one["root"] == "/srv/a" and "roots" not in one
+    a, b, c = (tmp_path / name for name in "abc")
+    for root in (a, b, c):
+        root.mkdir()
+    several = extra_config(invoke("config", "--root", a, "--roots", b, "--root", c))
+    assert several["roots"] == [str(a), str(b), str(c)] and "root" not in several
+    one = extra_config(invoke("config", "--roots", a))
+    assert one["root"] == str(a) and "roots" not in one
+
+
+ENGINE_COMMANDS = [["serve", "m", "--dry-run"], ["warm", "PROMPTS", "--model", "m"], ["demo"],
+                   ["calibrate", "--model", "m", "--no-plot"], ["config"]]
+
+
+def command_args(command, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2]}\n')
+    return [str(prompts) if word == "PROMPTS" else word for word in command]
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_roots_lists_a_device_set_in_every_engine_command(tmp_path, command):
+    """``--roots A B C`` is ``--root A --root B --root C`` everywhere: a missing third is named in both."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    args = command_args(command, tmp_path)
+    listed = invoke(*args, "--roots", tmp_path / "a", tmp_path / "b", tmp_path / "gone")
+    repeated = invoke(*args, "--root", tmp_path / "a", "--root", tmp_path / "b", "--root", tmp_path / "gone")
+    for result in (listed, repeated):
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.output
+        assert "gone" in result.stderr and "does not exist" in result.stderr
+    assert listed.stderr == repeated.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "p.jsonl"]
+
+
+@pytest.mark.parametrize("command", [c for c in ENGINE_COMMANDS if c[0] != "calibrate"])
+def test_one_missing_root_is_refused_as_one_of_a_set_is(tmp_path, command):
+    """One rule for one root and several: no engine command makes a root (``pykv init`` does)."""
+    result = invoke(*command_args(command, tmp_path), "--root", tmp_path / "kv")
+    assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.output
+    assert f"--root: {tmp_path / 'kv'} does not exist; create it with `pykv init {tmp_path / 'kv'}`" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
 
 
 # -- serve ---------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_files_complete_where_a_file_is_expected_and_choices_where_there_are_cho
     files, _ = render_all()
     bash_text = files[FILES["bash"]]
     warm = bash_text[bash_text.index("        warm)"):]
-    assert "--root) COMPREPLY=($(compgen -d" in warm  # a directory
+    assert "--root|--roots) COMPREPLY=($(compgen -d" in warm  # a directory
     assert 'COMPREPLY=($(compgen -f -- "$cur"))' in warm.split(";;\n        ", 1)[0] or \
         'compgen -f' in warm  # the prompt file
     config = bash_text[bash_text.index("        config)"):]

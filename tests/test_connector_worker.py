@@ -30,6 +30,7 @@ LAYERS, BLOCKS, PAGE, BPC, TOKENS = 3, 64, 4096, 4, 16
 
 
 def offloading_config(root: str, **extra) -> OffloadingConfig:
+    os.makedirs(root, exist_ok=True)  # the tree's directory, as `pykv init` makes it: engines never create a root
     group = OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=tuple(f"l{i}" for i in range(LAYERS)),
                                   group_id=0)
     parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,

@@ -14,7 +14,7 @@ import xxhash
 
 from pykv.config import PykvConfig
 from pykv.deviceset import DeviceSet, rendezvous_index
-from pykv.errors import InputError, NotATreeError
+from pykv.errors import InputError, NotATreeError, RootError
 from pykv.media import StripedMedium
 from pykv.store import BlockStore, EngineShape, open_devices, open_store_medium
 from pykv.staging import slot_bytes_for
@@ -108,7 +108,8 @@ def test_overlapping_or_copied_devices_are_refused(tmp_path, layout):
 def test_a_missing_device_is_refused_and_nothing_is_created(tmp_path):
     a, b = make_roots(tmp_path, 2)
     gone = tmp_path / "not-mounted"
-    with pytest.raises(InputError, match=r"roots\[2\]: .*not-mounted does not exist \(a device not mounted\?\)"):
+    with pytest.raises(RootError, match=r"roots\[2\]: .*not-mounted does not exist; create it with `pykv init .*"
+                                        r"not-mounted` \(pykv never creates a root: a device that did not mount"):
         DeviceSet.create([a, b, gone])
     assert not gone.exists()
     (tmp_path / "file").write_text("x")
@@ -117,6 +118,43 @@ def test_a_missing_device_is_refused_and_nothing_is_created(tmp_path):
     KVTree.create(a)
     with pytest.raises(NotATreeError, match=r"roots\[1\]: .*not a pykv tree"):
         DeviceSet.open([a, b])  # ``open`` (maintenance) never makes trees
+
+
+def test_one_missing_root_is_refused_as_a_missing_device_is(tmp_path):
+    """One rule for one root and several: the engine never creates a root, so a drive that did
+    not mount never becomes an empty directory on the OS disk."""
+    for root in (tmp_path / "kv", tmp_path / "no" / "kv"):
+        with pytest.raises(RootError, match=r"^kv_connector_extra_config\.root: .*kv does not exist; create it with "
+                                            r"`pykv init "):
+            open_devices(PykvConfig.from_extra_config({"root": str(root)}))
+        with pytest.raises(RootError, match=r"^kv_connector_extra_config\.roots: .*kv does not exist"):
+            DeviceSet.create([root])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout, reason", [("file", "is not a directory$"),
+                                            ("under-a-file", r"is not a directory \(a component of its path is a file\)"),
+                                            ("loop", r"cannot be reached \(a loop of symbolic links\)"),
+                                            ("dangling", "is a symbolic link to nothing")])
+def test_a_root_that_is_no_directory_is_refused_in_one_line(tmp_path, layout, reason):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    root = {"file": tmp_path / "file", "under-a-file": tmp_path / "file" / "kv", "loop": tmp_path / "loop",
+            "dangling": tmp_path / "dangling"}[layout]
+    good = make_roots(tmp_path, 1)[0]
+    for roots, field in (([root], "roots"), ([good, root], r"roots\[1\]")):
+        with pytest.raises(RootError, match=rf"^kv_connector_extra_config\.{field}: {root} {reason}"):
+            DeviceSet.create(roots)
+    assert not (tmp_path / "gone").exists() and list(good.iterdir()) == []
+
+
+def test_roots_must_be_absolute(tmp_path):
+    with pytest.raises(InputError, match=r"^kv_connector_extra_config\.root: expected an absolute path, got 'kv'$"):
+        PykvConfig.from_extra_config({"root": "kv"})
+    with pytest.raises(InputError, match=r"^kv_connector_extra_config\.roots\[1\]: expected an absolute path, "
+                                         r"got '\./b'$"):
+        PykvConfig.from_extra_config({"roots": ["/a", "./b"]})
 
 
 def test_a_set_refuses_a_device_holding_other_files(tmp_path):
@@ -134,6 +172,7 @@ def test_devices_on_one_filesystem_are_named_in_a_warning(tmp_path, caplog):
 
 
 def test_one_root_is_the_posix_medium_and_several_are_striped(tmp_path):
+    (tmp_path / "one").mkdir()
     one = open_store_medium(open_devices(PykvConfig.from_extra_config({"root": str(tmp_path / "one")})))
     assert one.name == "posix" and one.lanes == 1
     roots = [str(r) for r in make_roots(tmp_path, 3)]

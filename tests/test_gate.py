@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,7 @@ CHUNK = 64  # 16 tokens per block x 4 blocks per chunk
 
 
 def offloading_config(root: str, **extra) -> OffloadingConfig:
+    os.makedirs(root, exist_ok=True)  # the tree's directory, as `pykv init` makes it: engines never create a root
     group = OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0)
     parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                         data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,

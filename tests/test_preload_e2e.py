@@ -13,6 +13,8 @@ the bounds on speculative work (bytes read vs delivered, staging high-water mark
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -43,6 +45,7 @@ ENGINE = {"max_num_seqs": 1, "gpu_memory_utilization": 0.05}  # three engines at
 
 
 def ktc(root, **keys) -> dict:
+    Path(root).mkdir(exist_ok=True)  # as `pykv init` makes it: an engine never creates a root
     return PykvConfig.from_extra_config({"root": str(root), "staging_bytes": "16M", "io_depth": 4, **keys}
                                         ).to_kv_transfer_config(CHUNK)
 

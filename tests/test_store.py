@@ -68,6 +68,7 @@ def store(tmp_path):
 
     def make(dram_slots: int = 0, early_release: bool = False, client_type: type[Client] = Client,
              **extra) -> tuple[BlockStore, Client]:
+        (tmp_path / "tree").mkdir(exist_ok=True)  # as `pykv init` makes it: engines never create a root
         config = PykvConfig.from_extra_config({"root": str(tmp_path / "tree"), "io_engine": "threadpool",
                                                "store_retry_interval": "60s", **extra})
         client = client_type()

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from pykv.blockfile import write_block
-from pykv.errors import NotATreeError
+from pykv.errors import NotATreeError, RootError
 from pykv.format import Geometry
 from pykv.namespace import Namespace
-from pykv.tree import MARKER_NAME, NAMESPACE_FILE, KVTree, TreeOptions, is_hex, is_temp_name
+from pykv.tree import (MARKER_NAME, NAMESPACE_FILE, KVTree, TreeOptions, check_tree_root, create_root, is_hex,
+                       is_temp_name)
 
 NS = Namespace(model="m", dtype="bfloat16", kv_layout="NHD", tokens_per_block=16)
 KEY = bytes.fromhex("a1b2c3d4e5f60718293a4b5c6d7e8f90")
@@ -259,3 +260,46 @@ def test_ensure_namespace_is_idempotent(tree):
     first = description.read_bytes()
     assert tree.ensure_namespace(NS) == tree.root / NS.id
     assert description.read_bytes() == first
+
+
+# -- roots: never created by an engine ------------------------------------------------------------
+
+def test_create_without_mkdir_needs_the_root_and_makes_nothing(tmp_path):
+    for root in (tmp_path / "kv", tmp_path / "no" / "kv"):
+        with pytest.raises(RootError, match=rf"^kv_connector_extra_config\.root: {root} does not exist; create it "
+                                            rf"with `pykv init {root}` \(pykv never creates a root"):
+            KVTree.create(root, mkdir=False)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kv").mkdir()
+    assert KVTree.create(tmp_path / "kv", mkdir=False).root == tmp_path / "kv"  # an empty one becomes a tree
+    assert (tmp_path / "kv" / MARKER_NAME).exists()
+
+
+def test_check_tree_root_refuses_what_create_refuses_and_changes_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    check_tree_root(tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("x")
+    with pytest.raises(NotATreeError, match="holds files"):
+        check_tree_root(tmp_path / "full", "--root")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / MARKER_NAME).write_text("{")
+    with pytest.raises(NotATreeError, match="unreadable tree marker"):
+        check_tree_root(tmp_path / "bad")
+    with pytest.raises(RootError, match="^--root: .* does not exist"):
+        check_tree_root(tmp_path / "missing", "--root")
+
+
+def test_create_root_makes_one_directory_never_its_parents(tmp_path):
+    assert create_root(tmp_path / "kv", field="ROOT") is True
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    assert create_root(tmp_path / "kv", field="ROOT") is False  # already there
+    with pytest.raises(RootError, match=r"^ROOT: the parent of .*no/kv is not an existing directory; pykv init makes "
+                                        r"one directory, never its parents"):
+        create_root(tmp_path / "no" / "kv", field="ROOT")
+    (tmp_path / "file").write_text("x")
+    for root, reason in ((tmp_path / "file", "is not a directory"), (tmp_path / "file" / "kv", "parent of")):
+        with pytest.raises(RootError, match=reason):
+            create_root(root, field="ROOT")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "kv"]

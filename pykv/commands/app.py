@@ -1,7 +1,8 @@
 """The ``pykv`` command: one typer app; each subcommand lives in its own module.
 
 To add a command, write ``pykv/commands/<name>.py`` with a function and register it
-below with ``app.command("<name>")(<module>.<function>)``; then regenerate the
+below with ``app.command("<name>", cls=PykvCommand)(<module>.<function>)`` (``PykvCommand``
+checks sizes split in two and takes ``--roots A B``); then regenerate the
 completions and docs (``python -m pykv.commands.completions --write completions/
 --docs docs/cli.md``).
 """
@@ -15,6 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from pykv.commands import bench, calibrate, completions, config, demo, doctor, fsck, gc, init, inspect, serve, warm
+from pykv.commands.command import PykvCommand
 from pykv.commands.output import run_guarded
 
 
@@ -54,19 +56,18 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
-app.command("demo")(demo.demo_command)
-app.command("serve", context_settings=serve.PASS_THROUGH)(serve.serve_command)
-app.command("inspect")(inspect.inspect_command)
-app.command("gc")(gc.gc_command)
-app.command("fsck")(fsck.fsck_command)
-app.command("init")(init.init_command)
-app.command("doctor")(doctor.doctor_command)
-app.command("bench")(bench.bench_command)
-app.command("config")(config.config_command)
-app.command("calibrate")(calibrate.calibrate_command)
-app.command("warm", context_settings=serve.PASS_THROUGH)(warm.warm_command)
-app.command("completions")(completions.completions_command)
-
+app.command("demo", cls=PykvCommand)(demo.demo_command)
+app.command("serve", cls=PykvCommand, context_settings=serve.PASS_THROUGH)(serve.serve_command)
+app.command("inspect", cls=PykvCommand)(inspect.inspect_command)
+app.command("gc", cls=PykvCommand)(gc.gc_command)
+app.command("fsck", cls=PykvCommand)(fsck.fsck_command)
+app.command("init", cls=PykvCommand)(init.init_command)
+app.command("doctor", cls=PykvCommand)(doctor.doctor_command)
+app.command("bench", cls=PykvCommand)(bench.bench_command)
+app.command("config", cls=PykvCommand)(config.config_command)
+app.command("calibrate", cls=PykvCommand)(calibrate.calibrate_command)
+app.command("warm", cls=PykvCommand, context_settings=serve.PASS_THROUGH)(warm.warm_command)
+app.command("completions", cls=PykvCommand)(completions.completions_command)
 
 def main() -> None:
     """Console-script entry point."""

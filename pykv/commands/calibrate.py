@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.calibration import TIERS, Calibration, parse_lengths, parse_tiers
-from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, emit, parse_engine_args, parse_settings,
-    table)
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, absolute_roots, emit, parse_engine_args,
+    parse_settings, table)
 from pykv.errors import InputError
 from pykv.jobs.calibrate import model_label, run_calibration, save_labelled_plot
 from pykv.jobs.calibrate_plan import CalibrationRun
@@ -24,10 +24,11 @@ DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,80k"
 def calibrate_command(
     model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
                                        help="Model directory or name, as vLLM takes it.")],
-    roots: Annotated[list[Path], typer.Option("--root", metavar="DIR", show_default=False,
+    roots: Annotated[list[Path], typer.Option("--root", "--roots", metavar="DIR", show_default=False,
                                               help="Directory on the medium to calibrate (a scratch tree is made and "
-                                                   "removed inside it); repeat for a device set, one existing "
-                                                   "directory per device (recorded in the file's medium).")],
+                                                   "removed inside it). A device set, one existing directory per "
+                                                   "device (recorded in the file's medium): --root A --root B, or "
+                                                   "--roots A B (up to the next option).")],
     lengths: Annotated[str, typer.Option("--lengths", metavar="LIST",
                                          help="Prefix lengths in tokens (1k = 1024), multiples of --block-tokens."
                                          )] = DEFAULT_LENGTHS,
@@ -50,10 +51,11 @@ def calibrate_command(
         "--set", metavar="KEY=VALUE", help="pykv key for the pykv engines (docs/configuration.md); repeatable.")
     ] = None,
     dram_bytes: Annotated[Optional[str], typer.Option(
-        "--dram-bytes", metavar="SIZE", help="DRAM tier of the store engine (default: 1.25 x the longest "
-                                             "prompt's KV, from the model's config.json).")] = None,
+        "--dram-bytes", metavar="SIZE", help="DRAM tier of the store engine, e.g. 4G (default: 1.25 x the "
+                                             "longest prompt's KV, from the model's config.json).")] = None,
     bandwidth_size: Annotated[str, typer.Option("--bandwidth-size", metavar="SIZE",
-                                                help="Bytes written and read to measure the medium.")] = "1G",
+                                                help="Bytes written and read to measure the medium (binary "
+                                                     "units; a bare number is bytes).")] = "1G",
     drop_caches: Annotated[Optional[bool], typer.Option(
         "--drop-caches/--no-drop-caches", show_default=False,
         help="Drop the page cache before the disk and gated engines (default: when root).")] = None,
@@ -73,6 +75,7 @@ def calibrate_command(
         except ImportError:
             raise InputError("--plot: matplotlib is not installed (pip install 'pykv[calibrate]'), "
                              "or pass --no-plot") from None
+    roots = absolute_roots(roots)
     run = CalibrationRun(model=model, root=roots[0], roots=roots if len(roots) > 1 else [],
                          lengths=parse_lengths(lengths, multiple=block_tokens),
                          tiers=tier_list, repeat=repeat, block_tokens=block_tokens,

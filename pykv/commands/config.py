@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import parse_settings
+from pykv.commands.output import engine_roots, parse_settings
 from pykv.config import DRAM_POLICIES, VERIFY_MODES, PykvConfig, root_keys
 from pykv.errors import InputError
 
 
 def config_command(
-    roots: Annotated[list[str], typer.Option("--root", "--roots", metavar="DIR", show_default=False,
-                                             help="Directory of the pykv tree; repeat for a device set, one "
-                                                  "directory per device (printed as roots).")],
+    roots: Annotated[list[Path], typer.Option("--root", "--roots", metavar="DIR", show_default=False,
+                                              help="Directory of the pykv tree; it must exist (`pykv init DIR` "
+                                                   "makes one), a relative one is printed absolute. A device "
+                                                   "set, one directory per device (printed as roots): --root A "
+                                                   "--root B, or --roots A B (up to the next option).")],
     dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
-                                                help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
+                                                help="DRAM tier size per worker, e.g. 16G (binary units; a bare "
+                                                     "number is bytes; default: none).")] = None,
     dram_policy: Annotated[Optional[str], typer.Option("--dram-policy", metavar="|".join(DRAM_POLICIES),
                                                        help="DRAM tier replacement policy.")] = None,
     staging: Annotated[Optional[str], typer.Option("--staging", metavar="SIZE",
-                                                   help="Transient staging memory per worker.")] = None,
+                                                   help="Transient staging memory per worker, e.g. 2G "
+                                                        "(default: auto).")] = None,
     io_depth: Annotated[Optional[int], typer.Option("--io-depth", help="Disk reads and writes in flight.")] = None,
     verify: Annotated[Optional[str], typer.Option("--verify", metavar="|".join(VERIFY_MODES),
                                                   help="Checks on load.")] = None,
@@ -33,8 +38,9 @@ def config_command(
     settings: Annotated[Optional[list[str]], typer.Option(
         "--set", metavar="KEY=VALUE", help="Any other key of docs/configuration.md; repeatable.")] = None,
 ) -> None:
-    """Print the JSON for vLLM's --kv-transfer-config that loads pykv (every key validated)."""
-    extra: dict[str, object] = root_keys(roots)
+    """Print the JSON for vLLM's --kv-transfer-config that loads pykv (every key validated, every root
+    checked as the engine will check it)."""
+    extra: dict[str, object] = root_keys(engine_roots(roots))
     named = {"dram_bytes": dram, "dram_policy": dram_policy, "staging_bytes": staging, "io_depth": io_depth,
              "verify": verify, "fsync": fsync}
     extra.update({key: value for key, value in named.items() if value is not None})

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pykv.commands.inspect import inspect_command
-from pykv.commands.output import check_new_roots, console, table
+from pykv.commands.output import console, engine_roots, table
 from pykv.counters import WorkerCounter
 from pykv.jobs.demo import PROMPT_TOKENS, STORAGE_BLOCK_TOKENS, run_demo
 from pykv.jobs.runner import require_vllm
@@ -17,19 +17,24 @@ from pykv.jobs.runner import require_vllm
 
 def demo_command(
     roots: Annotated[Optional[list[Path]], typer.Option(
-        "--root", metavar="DIR", help="Tree to use and keep (default: a temporary one, removed at the end); "
-                                      "repeat for a device set, one existing directory per device.")] = None,
+        "--root", "--roots", metavar="DIR",
+        help="Tree to use and keep; it must exist (`pykv init DIR` makes one; default: a temporary tree the "
+             "demo makes and removes). A device set, one directory per device: --root A --root B, or --roots "
+             "A B.")] = None,
     log: Annotated[Path, typer.Option("--log", metavar="FILE", help="Where the engine's log goes.")] = Path(
         "pykv-demo.log"),
 ) -> None:
     """Run a tiny random Llama through vLLM with pykv twice; the second run loads its KV from the tree."""
     if roots:
-        check_new_roots(roots)
+        roots = engine_roots(roots)
     require_vllm("pykv demo")
     log = log.absolute()
     with tempfile.TemporaryDirectory(prefix="pykv-demo-") as directory:  # the model, results, default tree
         work = Path(directory)
-        _run_demo(roots or [work / "tree"], work, log)
+        if not roots:
+            roots = [work / "tree"]
+            roots[0].mkdir()  # the demo's own tree: engines never create a root
+        _run_demo(roots, work, log)
 
 
 def _run_demo(roots: list[Path], work: Path, log: Path) -> None:

@@ -1,22 +1,22 @@
-"""``pykv init``: make a directory a pykv tree explicitly (``KVTree.create(adopt=True)``)."""
+"""``pykv init``: make a directory a pykv tree explicitly (``create_root``, ``KVTree.create(adopt=True)``)."""
 
 from __future__ import annotations
 
 import typer
 
 from pykv.commands.output import RootArgument
-from pykv.errors import InputError
-from pykv.tree import KVTree, MARKER_NAME
+from pykv.tree import KVTree, MARKER_NAME, create_root
 
 
 def init_command(root: RootArgument) -> None:
-    """Make ROOT a pykv tree (writes its marker), also when it already holds other files.
+    """Make ROOT a pykv tree (writes its marker), creating ROOT if missing but never its parents.
 
-    An engine refuses a root that holds files and no tree marker; this is how you say that
-    such a directory is meant to be a tree. pykv never deletes what it did not create:
-    'pykv fsck --repair' moves such files to .pykv/quarantine/.
+    The one command that creates a root: engines and the other commands need it to exist (a
+    device that did not mount must not become an empty directory). An engine refuses a root that
+    holds files and no tree marker; init is also how you say that such a directory is meant to be
+    a tree. pykv never deletes what it did not create: 'pykv fsck --repair' moves such files to
+    .pykv/quarantine/.
     """
-    if root.exists() and not root.is_dir():
-        raise InputError(f"ROOT: {root} is not a directory")
-    tree = KVTree.create(root, adopt=True, field="ROOT")
+    create_root(root, field="ROOT")
+    tree = KVTree.create(root, adopt=True, field="ROOT", mkdir=False)
     typer.echo(f"{tree.root}: a pykv tree ({MARKER_NAME})")

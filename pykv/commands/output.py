@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pykv.deviceset import DeviceSet, absent_root, overlapping_roots
+from pykv.commands.command import pair_key
+from pykv.deviceset import DeviceSet, check_roots
 from pykv.errors import InputError, PykvError
-from pykv.tree import MARKER_NAME, ROOT_EXEMPT, KVTree
+from pykv.tree import KVTree
 from pykv.units import format_size
 
 USAGE_EXIT = 2
@@ -178,7 +179,7 @@ def parse_pairs(option: str, items: list[str], *, json_values: bool = True) -> d
     values: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        key = key.strip().lstrip("-").replace("-", "_")
+        key = pair_key(key)
         if not sep or not key:
             raise InputError(f"{option}: expected KEY=VALUE, got {item!r}")
         values[key] = value
@@ -214,30 +215,14 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
     return values
 
 
-def check_new_roots(roots: list[Path]) -> None:
-    """``check_new_root`` of each; several must exist already and must not overlap (a device set:
-    ``DeviceSet.create``, which the engine runs, refuses the same)."""
-    pair = overlapping_roots(roots)
-    if pair is not None:
-        j, i = pair
-        raise InputError(f"--root {roots[j]} and --root {roots[i]} overlap (one directory, or one inside "
-                         f"the other); give each device's directory once")
-    absent = absent_root(roots)
-    for index, root in enumerate(roots):
-        if index == absent:
-            raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
-                             f"(a device not mounted?); each directory of a device set must exist")
-        check_new_root(root)
+def engine_roots(roots: list[Path]) -> list[Path]:
+    """``--root`` directories as an engine gets them: absolute (a relative one is taken from the current
+    directory), checked as the engine will check them (``check_roots``): each must exist."""
+    absolute = absolute_roots(roots)
+    check_roots(absolute, field="--root")
+    return absolute
 
 
-def check_new_root(root: Path) -> None:
-    """A new path, an empty directory or a pykv tree: never make a directory holding other data a tree."""
-    if not root.exists():
-        return
-    if not root.is_dir():
-        raise InputError(f"--root: {root} is not a directory")
-    if (root / MARKER_NAME).exists():
-        KVTree.open(root)  # raises NotATreeError for a marker it cannot use
-    elif any(entry.name not in ROOT_EXEMPT for entry in root.iterdir()):
-        raise InputError(f"--root: {root} is not a pykv tree and not empty; give a new or empty directory, "
-                         f"or make this one a tree with `pykv init {root}`")
+def absolute_roots(roots: list[Path]) -> list[Path]:
+    """``--root`` directories made absolute against the current directory (``PykvConfig`` takes no other)."""
+    return [root.absolute() for root in roots]

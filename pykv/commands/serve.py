@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pykv.commands.output import check_new_roots, parse_settings, warn
+from pykv.commands.output import engine_roots, parse_settings, warn
 from pykv.config import PykvConfig, root_keys
 from pykv.jobs.serve import (DEFAULT_SEED, SEED_ENV, check_vllm_args, engine_env, server_command,
                                   with_platform_defaults)
@@ -27,11 +27,13 @@ def serve_command(
                                               "it that pykv does not know goes to vLLM (e.g. --port 8000 "
                                               "--block-size 32).")],
     roots: Annotated[Optional[list[Path]], typer.Option(
-        "--root", metavar="DIR", show_default=False,
-        help="Directory of the pykv tree (default $PYKV_ROOT); repeat for a device set, one directory "
-             "per device (each must exist).")] = None,
+        "--root", "--roots", metavar="DIR", show_default=False,
+        help="Directory of the pykv tree (default $PYKV_ROOT); it must exist (`pykv init DIR` makes one). "
+             "A device set, one directory per device: --root A --root B, or --roots A B (up to the next "
+             "option).")] = None,
     dram: Annotated[Optional[str], typer.Option("--dram", metavar="SIZE",
-                                                help="DRAM tier size per worker, e.g. 16G (default: none).")] = None,
+                                                help="DRAM tier size per worker, e.g. 16G (binary units; a bare "
+                                                     "number is bytes; default: none).")] = None,
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
                                               help="Tokens per storage block (one file); a multiple of vLLM's "
                                                    "--block-size.")] = 256,
@@ -49,8 +51,7 @@ def serve_command(
         if not os.environ.get("PYKV_ROOT"):
             raise InputError("--root: missing (or set PYKV_ROOT)")
         roots = [Path(os.environ["PYKV_ROOT"])]
-    check_new_roots(roots)
-    extra = {**root_keys(roots), **parse_settings(settings or [])}
+    extra = {**root_keys(engine_roots(roots)), **parse_settings(settings or [])}
     if dram is not None:
         extra["dram_bytes"] = dram
     if block_tokens < 1:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, check_new_roots, emit,
+from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, emit, engine_roots,
     parse_engine_args, parse_settings, table, warn)
 from pykv.auth import load_key_ring
 from pykv.config import PykvConfig, root_keys
@@ -28,9 +28,11 @@ def warm_command(
                                 'optional "id".', show_default=False)],
     model: Annotated[str, typer.Option("--model", metavar="MODEL", show_default=False,
                                        help="Model name or directory, as given to vLLM.")],
-    roots: Annotated[list[Path], typer.Option("--root", metavar="DIR", show_default=False,
-                                              help="Directory of the pykv tree; repeat for a device set, one "
-                                                   "directory per device (as the server's).")],
+    roots: Annotated[list[Path], typer.Option("--root", "--roots", metavar="DIR", show_default=False,
+                                              help="Directory of the pykv tree, as the server's; it must exist "
+                                                   "(`pykv init DIR` makes one). A device set, one directory per "
+                                                   "device: --root A --root B, or --roots A B (up to the next "
+                                                   "option).")],
     block_tokens: Annotated[int, typer.Option("--block-tokens", metavar="N",
                                               help="Tokens per storage block, as `pykv serve "
                                                    "--block-tokens` (and kv_transfer_config block_size).")] = 256,
@@ -54,7 +56,7 @@ def warm_command(
     tree not signed with one of its keys are quarantined and stored again.
     """
     items, bad = read_prompts(prompts, skip_bad=skip_bad)
-    check_new_roots(roots)
+    roots = engine_roots(roots)
     for line in bad:
         warn(f"skipped {line}")
     extra = parse_settings(settings or [])
@@ -71,7 +73,7 @@ def warm_command(
         raise InputError(f"--batch: expected a positive integer, got {batch}")
     require_vllm("pykv warm")
     vllm_args = check_vllm_args(ctx.args)
-    absolute = [str(root.absolute()) for root in roots]
+    absolute = [str(root) for root in roots]
     plan = WarmPlan(model=model, root=absolute[0], roots=absolute if len(absolute) > 1 else [], prompts=items,
                     settings=extra, engine_args=llm_args,
                     vllm_args=vllm_args, block_tokens=block_tokens, dry_run=dry_run, batch=batch)

@@ -16,7 +16,6 @@ from typing import Any
 
 from pykv.calibration import TIERS
 from pykv.config import root_keys
-from pykv.deviceset import absent_root
 from pykv.errors import InputError
 
 PHASES = ("recompute", "store", "disk", "gated")
@@ -67,9 +66,9 @@ class CalibrationRun:
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         self.roots = [Path(root) for root in self.roots]
-        absent = absent_root(self.roots)
-        if absent is not None:
-            root = self.roots[absent]
+        absent = [root for root in self.roots if not root.is_dir()] if len(self.roots) > 1 else []
+        if absent:
+            root = absent[0]
             raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
                              f"(a device not mounted?); each directory of a device set must exist")
         if not self.lengths:

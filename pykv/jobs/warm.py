@@ -208,7 +208,9 @@ def run_warm(plan: WarmPlan, *, progress: Progress | None = None, python: str = 
         work = Path(directory)
         # TMPDIR: what vLLM leaves in the temp directory (vllm_dist_* files) goes with the work directory
         env = {**engine_env()[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(work)}
-        job = EngineJob("warm", ENGINE_MODULE, {"plan": plan.to_json(), "scratch_root": str(work / "scratch-tree")},
+        scratch = work / "scratch-tree"  # a dry run's engine stores here (engines never create a root)
+        scratch.mkdir()
+        job = EngineJob("warm", ENGINE_MODULE, {"plan": plan.to_json(), "scratch_root": str(scratch)},
                         work, env=env, python=python)
         try:
             return job.run(progress)

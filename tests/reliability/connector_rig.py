@@ -7,6 +7,7 @@ symlinks) and keep real engines for the end-to-end claims.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ LAYERS, BLOCKS, PAGE, BPC, TOKENS = 2, 64, 4096, 4, 16
 def offloading_config(root: str, *, tp_size: int = 1, rank: int = 0, dtype: str = "bfloat16",
                       blocks_per_chunk: int = BPC, tokens: int = TOKENS, page: int = PAGE, model: str = "tiny",
                       **extra) -> OffloadingConfig:
+    os.makedirs(root, exist_ok=True)  # the tree's directory, as `pykv init` makes it: engines never create a root
     group = OffloadingGroupConfig(tokens_per_block=tokens, layer_names=tuple(f"l{i}" for i in range(LAYERS)),
                                   group_id=0)
     parallel = OffloadingParallelConfig(rank=rank, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1,

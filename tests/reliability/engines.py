@@ -107,6 +107,9 @@ def with_test_helpers(code: str) -> str:
 def ktc(root: Path | list[Path], block_tokens: int = 256, **keys) -> dict:
     """The kv-transfer config of a pykv engine on ``root`` (a list: ``roots``, one per device)."""
     where = {"roots": [str(r) for r in root]} if isinstance(root, list) else {"root": str(root)}
+    for directory in root if isinstance(root, list) else [root]:  # as `pykv init` makes them: an engine never does
+        if not os.path.lexists(directory):
+            os.makedirs(directory)
     config = PykvConfig.from_extra_config({**where, "staging_bytes": "16M", **keys})
     return config.to_kv_transfer_config(block_tokens)
 
