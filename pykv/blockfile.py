@@ -15,7 +15,8 @@ import xxhash
 from pykv.auth import AuthStatus, KeyRing, sign, verdict
 from pykv.errors import ChecksumError, FormatError
 from pykv.io.safe_paths import OpenedFile, open_regular
-from pykv.format import HEADER_SIZE, BlockHeader, Geometry, build_header, decode_header, encode_header, padded, verify_payload
+from pykv.format import (HEADER_SIZE, BlockHeader, Geometry, TruncatedError, build_header, check_file_size, decode_header,
+                         encode_header, padded, verify_payload)
 from pykv.tree import KVTree
 
 #: The largest block file pykv reads (header-validated and equal to the file's size first): far
@@ -33,13 +34,10 @@ def _header_of(opened: OpenedFile, path: Path, head: bytes | None = None) -> Blo
     """The header (``head``: its bytes, if read already), checked against the file: its length
     must be the file's exact size."""
     header = decode_header(opened.read(HEADER_SIZE, 0) if head is None else head, path=path)
-    size = opened.size
+    check_file_size(path, opened.size, header)
     if header.file_size > MAX_BLOCK_FILE:
         raise FormatError(path, f"header claims {header.file_size} bytes, more than the {MAX_BLOCK_FILE} "
                                 "a block may hold")
-    if size != header.file_size:
-        kind = "truncated" if size < header.file_size else "oversized"
-        raise FormatError(path, f"{kind}: {size} bytes, header says {header.file_size}")
     return header
 
 
@@ -86,8 +84,8 @@ def check_block(path: Path, *, full: bool = True, keys: KeyRing | None = None) -
                 if auth is not None and not isinstance(auth, AuthStatus):
                     auth.update(piece)
                 done += len(piece)
-            if done < header.payload_length:
-                raise FormatError(path, f"payload truncated: {done} of {header.payload_length} bytes")
+            if done < header.payload_length:  # cut while it was read
+                raise TruncatedError(path, HEADER_SIZE + done, header.file_size)
             if hasher is not None and hasher.digest() != header.payload_checksum:
                 raise ChecksumError(path, "payload checksum mismatch")
         return CheckedBlock(path, header, opened.size, None if auth is None else verdict(auth, header))
@@ -102,7 +100,7 @@ def read_payload(path: Path, *, verify: bool = True) -> tuple[BlockHeader, bytes
     if verify:
         verify_payload(header, payload, path=path)
     elif len(payload) < header.payload_length:
-        raise FormatError(path, f"payload truncated: {len(payload)} of {header.payload_length} bytes")
+        raise TruncatedError(path, HEADER_SIZE + len(payload), header.file_size)
     return header, payload
 
 

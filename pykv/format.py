@@ -65,6 +65,32 @@ SIGNED_BYTES = KEY_ID_FIELD.stop
 KEY_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
+class TruncatedError(FormatError):
+    """A block file shorter than its header says (``expected`` bytes), or too short to say
+    (``expected`` None: less than the header's checked fields)."""
+
+    def __init__(self, path: object, size: int, expected: int | None) -> None:
+        self.size, self.expected = size, expected
+        super().__init__(path, f"truncated: {size} of {expected} bytes" if expected is not None
+                         else f"truncated: {size} of at least {HEADER_SIZE} bytes (a header)")
+
+
+class OversizedError(FormatError):
+    """A block file longer than its header says."""
+
+    def __init__(self, path: object, size: int, expected: int) -> None:
+        self.size, self.expected = size, expected
+        super().__init__(path, f"oversized: {size} bytes, header says {expected}")
+
+
+def check_file_size(path: object, size: int, header: BlockHeader) -> None:
+    """Raise ``TruncatedError``/``OversizedError`` unless the file's ``size`` is what ``header`` says."""
+    if size < header.file_size:
+        raise TruncatedError(path, size, header.file_size)
+    if size > header.file_size:
+        raise OversizedError(path, size, header.file_size)
+
+
 def padded(length: int) -> int:
     """``length`` rounded up to the 4 KiB alignment."""
     return -(-length // ALIGNMENT) * ALIGNMENT
@@ -164,9 +190,10 @@ def encode_header(header: BlockHeader, out: memoryview | bytearray | None = None
 
 
 def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> BlockHeader:
-    """Parse and check a header; raise ``FormatError``/``ChecksumError`` naming ``path``."""
-    if len(data) < MAC_FIELD.stop:
-        raise FormatError(path, f"header truncated: {len(data)} bytes")
+    """Parse and check a header (``data``: a file's first 4096 bytes, all it has if fewer); raise
+    ``FormatError``/``ChecksumError`` naming ``path``, ``TruncatedError`` for a file cut inside it."""
+    if len(data) < HEADER_SIZE:
+        raise _short_header(bytes(data), path)
     head = bytes(data[:MAC_FIELD.stop])
     (magic, version, header_size, flags, namespace, key_length, key, payload_length, tokens,
      segments, segment_bytes, checksum, created_ns) = _BODY.unpack_from(head)
@@ -197,9 +224,23 @@ def decode_header(data: memoryview | bytes, *, path: object = "<buffer>") -> Blo
                        payload_checksum=checksum, created_ns=created_ns, key_id=key_id, mac=mac)
 
 
+def _short_header(head: bytes, path: object) -> FormatError:
+    """Why a file shorter than a header is damaged: truncated (with the size its header says, once
+    the checked fields are there and their checksum matches), unless it is no pykv header at all."""
+    if head[:len(MAGIC)] != MAGIC[:len(head)]:
+        return FormatError(path, "bad magic: not a pykv block file")
+    if len(head) < _TRAILER:
+        return TruncatedError(path, len(head), None)
+    (stored_checksum,) = _CHECKSUM.unpack_from(head, _CHECKED_BYTES)
+    if stored_checksum != xxhash.xxh3_64_intdigest(head[:_CHECKED_BYTES]):
+        return ChecksumError(path, "header checksum mismatch")
+    payload_length = _BODY.unpack_from(head)[7]
+    return TruncatedError(path, len(head), file_size(payload_length))
+
+
 def verify_payload(header: BlockHeader, payload: memoryview | bytes, *, path: object = "<buffer>") -> None:
     """Raise ``ChecksumError`` unless ``payload`` matches the header's xxh3-128."""
     if len(payload) < header.payload_length:
-        raise FormatError(path, f"payload truncated: {len(payload)} of {header.payload_length} bytes")
+        raise TruncatedError(path, HEADER_SIZE + len(payload), header.file_size)
     if payload_checksum(memoryview(payload)[:header.payload_length]) != header.payload_checksum:
         raise ChecksumError(path, "payload checksum mismatch")

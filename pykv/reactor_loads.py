@@ -14,7 +14,7 @@ from typing import Hashable, Sequence
 
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
-from pykv.format import HEADER_SIZE, BlockHeader
+from pykv.format import HEADER_SIZE, BlockHeader, TruncatedError, check_file_size
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Deliver, Kind, Stage
 from pykv.reactor_types import JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
@@ -153,7 +153,7 @@ class LoadSteps:
                     self.backend.submit([self._read_request(tid, t)])  # short read: continue
                     return
                 if t.header is None or t.done < t.expected:
-                    raise FormatError(t.block.path, f"truncated: {t.done} bytes")
+                    raise TruncatedError(t.block.path, t.done, t.expected if t.header is not None else None)
             except FormatError as exc:
                 error = BlockFailure(Step.CHECK, detail=exc.reason)
         self._close(t)
@@ -190,10 +190,7 @@ class LoadSteps:
 
     def _check_size(self, t: TransferState) -> None:
         """The file must be exactly as long as its header says (its size at open: no I/O)."""
-        size = t.size
-        if size != t.expected:
-            kind = "truncated" if size < t.expected else "oversized"
-            raise FormatError(t.block.path, f"{kind}: {size} bytes, header says {t.expected}")
+        check_file_size(t.block.path, t.size, t.header)
 
     # -- delivery --------------------------------------------------------------------------------
     def _deliver(self, action: Deliver) -> None:

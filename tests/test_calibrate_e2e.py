@@ -186,9 +186,9 @@ def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needl
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
-    """A stand-in for ``python -m pykv.jobs.calibrate_engine PLAN EVENTS`` ($3 = plan, $4 = events)."""
+    """A stand-in for ``python [-P] -m pykv.jobs.calibrate_engine PLAN EVENTS`` (``$events``: the last argument)."""
     script = tmp_path / "fake-python"
-    script.write_text("#!/bin/sh\n" + body)
+    script.write_text('#!/bin/sh\nfor events; do :; done\n' + body)
     script.chmod(0o755)
     return str(script)
 
@@ -209,7 +209,7 @@ def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch)
 
     pid_file = tmp_path / "engine.pid"
     python = fake_python(tmp_path, f"echo $$ > {pid_file}\n"
-                                   "echo '{\"event\": \"started\", \"seconds\": 1, \"engine\": {}}' >> \"$4\"\n"
+                                   "echo '{\"event\": \"started\", \"seconds\": 1, \"engine\": {}}' >> \"$events\"\n"
                                    "exec sleep 600\n")
     root = tmp_path / "medium"
     run = CalibrationRun(model="m", root=root, lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20, python=python)
@@ -221,7 +221,7 @@ def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run_calibration(run, progress)
     assert not _is_running(int(pid_file.read_text()))
-    assert list(root.iterdir()) == []  # the scratch tree is gone
+    assert not root.exists()  # the scratch tree is gone, and the root calibrate made
     assert list((tmp_path / "tmp").iterdir()) == []  # and the work directory
 
 
@@ -239,8 +239,95 @@ def test_failed_engine_names_its_log_and_root_cause(tmp_path, monkeypatch):
     with pytest.raises(PykvError, match=r"the recompute engine failed \(exit 3\): ValueError: the model is too "
                                         r"large; its log is .*recompute\.log"):
         run_calibration(run)
-    assert list((tmp_path / "medium").iterdir()) == []
+    assert not (tmp_path / "medium").exists()  # calibrate made it: removed with its scratch tree
+    assert [p.name for p in tmp_path.glob("pykv-calibrate-*/*.log")] == ["recompute.log"]  # the log the error names
     assert not _is_running(int(orphan.read_text()))
+
+
+def failing_engine(tmp_path: Path) -> str:
+    return fake_python(tmp_path, "echo 'ValueError: no' >&2\nexit 3\n")
+
+
+def test_a_failed_run_removes_only_the_directories_it_made(tmp_path, monkeypatch):
+    from pykv.jobs.calibrate import CalibrationRun, run_calibration
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    python = failing_engine(tmp_path)
+    made = tmp_path / "a" / "b" / "medium"
+    with pytest.raises(PykvError, match="the recompute engine failed"):
+        run_calibration(CalibrationRun(model="m", root=made, lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20,
+                                       python=python))
+    assert not (tmp_path / "a").exists()  # every missing parent it made too
+    users = tmp_path / "users"  # an existing root with data: kept as it was
+    (users / "keep").mkdir(parents=True)
+    (users / "keep" / "data").write_text("x")
+    with pytest.raises(PykvError, match="the recompute engine failed"):
+        run_calibration(CalibrationRun(model="m", root=users / "new", lengths=[256], tiers=["disk"],
+                                       bandwidth_bytes=1 << 20, python=python))
+    with pytest.raises(PykvError, match="the recompute engine failed"):
+        run_calibration(CalibrationRun(model="m", root=users, lengths=[256], tiers=["disk"],
+                                       bandwidth_bytes=1 << 20, python=python))
+    assert sorted(p.relative_to(users).as_posix() for p in users.rglob("*")) == ["keep", "keep/data"]
+
+
+def test_a_run_refused_before_the_engines_leaves_no_work_directory(tmp_path, monkeypatch):
+    from pykv.jobs import calibrate
+    from pykv.jobs.calibrate import CalibrationRun, run_calibration
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(calibrate, "plan_phases", lambda *a: (_ for _ in ()).throw(InputError("--set: refused")))
+    with pytest.raises(InputError, match="refused"):
+        run_calibration(CalibrationRun(model="m", root=tmp_path / "medium", lengths=[256], tiers=["disk"]))
+    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "medium").exists()
+
+
+def tiny_config(tmp_path: Path) -> Path:
+    """A model directory with the tiny model's config.json only (no engine reads it here)."""
+    from pykv.jobs.tiny_model import TINY_LLAMA, hf_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf_config(TINY_LLAMA)))
+    return model
+
+
+def test_lengths_over_the_models_limit_are_one_line_before_any_engine_starts(tmp_path):
+    model = tiny_config(tmp_path)
+    result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot", "--lengths", "1k,40k,80k")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"pykv: error: --lengths: 40960 and 81920 do not fit the model's limit of 4096 tokens "
+                             f"(max_position_embeddings in {model}/config.json); give --lengths up to 3840 (a length "
+                             f"L runs a prompt of L + 1 tokens and generates one)\n")
+    assert not (tmp_path / "root").exists()
+    result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot", "--lengths", "1k",
+                    "--engine-arg", "max_model_len=1024")  # the engine's own limit counts too
+    assert result.exit_code == 2 and "--lengths: 1024 does not fit the model's limit of 1024 tokens (max_model_len " \
+                                      "in the engine arguments); give --lengths up to 768" in result.stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_default_lengths_over_the_models_limit_are_dropped_with_a_note(tmp_path, monkeypatch):
+    from pykv.commands import calibrate as command
+    from pykv.jobs.calibrate_plan import engine_kwargs
+
+    runs = []
+
+    def stop(run, progress=None):
+        runs.append(run)
+        raise InputError("stopped before the engines")
+
+    monkeypatch.setattr(command, "run_calibration", stop)
+    model = tiny_config(tmp_path)
+    result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot")
+    assert result.exit_code == 2 and "stopped before the engines" in result.stderr
+    assert runs[0].lengths == [1024, 2048, 3840]
+    assert result.stderr.startswith("pykv: warning: --lengths: measuring 1024, 2048 and 3840 tokens: the default "
+                                    "lengths 4096, 8192, 16384, 32768, 65536 and 81920 do not fit the model's limit "
+                                    "of 4096 tokens")
+    assert engine_kwargs(runs[0])["max_model_len"] == 4096  # the longest + one block, within the limit
+    result = invoke("--model", "hub/model-id", "--root", str(tmp_path / "root"), "--no-plot")
+    assert "warning" not in result.stderr and runs[1].lengths[-1] == 81920  # no config.json: vLLM checks it
 
 
 # -- slow: real engines ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pykv.format import (
     MAGIC,
     BlockHeader,
     Geometry,
+    TruncatedError,
     build_header,
     decode_header,
     encode_header,
@@ -163,6 +164,32 @@ def test_header_shorter_than_checked_part_is_truncated():
         decode_header(encoded()[:159])
 
 
+@pytest.mark.parametrize("cut", [0, 1, 7, 100, 159])
+def test_a_file_cut_before_the_header_checksum_is_truncated_without_a_size(cut):
+    with pytest.raises(TruncatedError) as info:
+        decode_header(encoded()[:cut], path="/x/y.kv")
+    assert (info.value.size, info.value.expected) == (cut, None)
+    assert str(info.value) == f"/x/y.kv: truncated: {cut} of at least 4096 bytes (a header)"
+
+
+@pytest.mark.parametrize("cut", [160, 208, 1000, HEADER_SIZE // 2, HEADER_SIZE - 1])
+def test_a_file_cut_inside_the_header_is_truncated_to_the_size_its_header_says(cut):
+    with pytest.raises(TruncatedError) as info:  # not "reserved header bytes are not zero"
+        decode_header(encoded()[:cut])
+    assert (info.value.size, info.value.expected) == (cut, file_size(GEOMETRY.payload_length))
+    assert info.value.reason == f"truncated: {cut} of {file_size(GEOMETRY.payload_length)} bytes"
+
+
+def test_a_short_file_that_is_no_pykv_header_is_not_called_truncated():
+    with pytest.raises(FormatError, match="bad magic") as info:
+        decode_header(b"\x80\x04pickle")
+    assert not isinstance(info.value, TruncatedError)
+    damaged = bytearray(encoded()[:1000])
+    damaged[50] ^= 1
+    with pytest.raises(ChecksumError, match="header checksum"):
+        decode_header(bytes(damaged))
+
+
 def test_nonzero_flags_with_valid_checksum_is_rejected():
     data = bytearray(encoded())
     struct.pack_into("<I", data, 12, 1)
@@ -221,9 +248,10 @@ def test_payload_checksum_mismatch_is_a_checksum_error():
 
 def test_truncated_payload_is_a_format_error_not_a_checksum_error():
     header = make_header()
-    with pytest.raises(FormatError, match="truncated") as info:
+    with pytest.raises(TruncatedError, match="truncated") as info:
         verify_payload(header, PAYLOAD[:-1])
     assert not isinstance(info.value, ChecksumError)
+    assert (info.value.size, info.value.expected) == (HEADER_SIZE + len(PAYLOAD) - 1, header.file_size)
 
 
 def test_payload_checksum_is_xxh3_128():

@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from treefactory import HOUR, NS, OTHER_NS, add_block, key, make_tree, set_mtime
 
 from pykv.format import HEADER_SIZE
@@ -131,3 +133,25 @@ def test_repair_leaves_a_block_that_became_sound(tmp_path):
     report = fsck(tree)
     path.write_bytes(good)  # gc removed it, a writer republished it
     assert repair(tree, report).clean and path.exists()
+
+
+BLOCK_FILE = HEADER_SIZE + 4096  # treefactory's blocks: a 2000-byte payload, padded
+
+
+@pytest.mark.parametrize("cut, detail", [
+    (0, "truncated: 0 of at least 4096 bytes (a header)"),
+    (1, "truncated: 1 of at least 4096 bytes (a header)"),
+    (100, "truncated: 100 of at least 4096 bytes (a header)"),
+    (HEADER_SIZE // 2, f"truncated: {HEADER_SIZE // 2} of {BLOCK_FILE} bytes"),  # mid-header
+    (HEADER_SIZE - 1, f"truncated: {HEADER_SIZE - 1} of {BLOCK_FILE} bytes"),
+    (HEADER_SIZE, f"truncated: {HEADER_SIZE} of {BLOCK_FILE} bytes"),  # the header's end
+    (HEADER_SIZE + 1000, f"truncated: {HEADER_SIZE + 1000} of {BLOCK_FILE} bytes"),  # mid-payload
+    (BLOCK_FILE - 1, f"truncated: {BLOCK_FILE - 1} of {BLOCK_FILE} bytes"),  # one byte short
+])
+def test_a_cut_block_is_truncated_naming_its_size_and_the_headers(tmp_path, cut, detail):
+    tree = make_tree(tmp_path)
+    path = add_block(tree, key(1))
+    assert os.path.getsize(path) == BLOCK_FILE
+    os.truncate(path, cut)
+    [finding] = fsck(tree).findings
+    assert (finding.problem, finding.detail) == (Problem.TRUNCATED, detail)

@@ -10,7 +10,8 @@ import pytest
 from treefactory import BLOCK_SIZE, add_block, key, make_tree
 
 from pykv.counters import Gauge, Metric, prometheus_names
-from pykv.maintenance.gauges import DeviceGauges, QuarantineUsage, quarantine_usage, start_samples
+from pykv.maintenance.gauges import DeviceGauges, start_samples
+from pykv.maintenance.quarantine import QuarantineUsage, quarantine_usage
 
 
 def by_name(samples) -> dict[tuple[str, tuple[str, ...]], float]:

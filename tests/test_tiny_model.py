@@ -6,6 +6,7 @@ import json
 import struct
 
 import numpy as np
+import pytest
 import xxhash
 
 from pykv.jobs.tiny_model import TINY_LLAMA, WEIGHTS_FILE, bfloat16_bits, make_tiny_llama, tensor_shapes
@@ -49,3 +50,33 @@ def test_bfloat16_rounds_to_nearest_even():
     values = np.array([1.0, -2.5, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -8 + 2 ** -20], dtype=np.float32)
     # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0)
     assert bfloat16_bits(values).tolist() == [0x3F80, 0xC020, 0x3F80, 0x3F82, 0x3F81]
+
+
+# -- the command line ------------------------------------------------------------------------
+def test_help_prints_usage_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from pykv.jobs.tiny_model import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "usage: python -m pykv.jobs.tiny_model" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["--", "--help"], ["--", "-m"], ["--seed"], ["-x"], []])
+def test_option_like_or_missing_directories_are_refused(tmp_path, monkeypatch, capsys, argv):
+    from pykv.jobs.tiny_model import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and "error: " in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writes_the_model_into_the_directory_given(tmp_path, capsys):
+    from pykv.jobs.tiny_model import main
+
+    assert main([str(tmp_path / "m"), "--seed", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "pykv-test-model.json").read_text())["seed"] == 1

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pykv.calibration import TIERS, Calibration, parse_lengths, parse_tiers
 from pykv.commands.output import (EngineArgOption, EngineArgsOption, JsonFlag, absolute_roots, emit, parse_engine_args,
-    parse_settings, table)
+    parse_settings, table, warn)
 from pykv.errors import InputError
 from pykv.jobs.calibrate import model_label, run_calibration, save_labelled_plot
 from pykv.jobs.calibrate_plan import CalibrationRun
@@ -29,9 +29,11 @@ def calibrate_command(
                                                    "removed inside it). A device set, one existing directory per "
                                                    "device (recorded in the file's medium): --root A --root B, or "
                                                    "--roots A B (up to the next option).")],
-    lengths: Annotated[str, typer.Option("--lengths", metavar="LIST",
-                                         help="Prefix lengths in tokens (1k = 1024), multiples of --block-tokens."
-                                         )] = DEFAULT_LENGTHS,
+    lengths: Annotated[Optional[str], typer.Option(
+        "--lengths", metavar="LIST", show_default=False,
+        help=f"Prefix lengths in tokens (1k = 1024), multiples of --block-tokens, that fit the model's limit "
+             f"(config.json or max_model_len); checked before any engine starts. Default: {DEFAULT_LENGTHS}, "
+             f"less those over the limit, plus the longest that fits.")] = None,
     tiers: Annotated[str, typer.Option("--tiers", metavar="LIST",
                                        help=f"Tiers to calibrate: {', '.join(TIERS)}.")] = ",".join(TIERS),
     out: Annotated[Path, typer.Option("--out", metavar="FILE", help="Calibration file to write (atomically).")
@@ -77,13 +79,16 @@ def calibrate_command(
                              "or pass --no-plot") from None
     roots = absolute_roots(roots)
     run = CalibrationRun(model=model, root=roots[0], roots=roots if len(roots) > 1 else [],
-                         lengths=parse_lengths(lengths, multiple=block_tokens),
+                         lengths=parse_lengths(lengths or DEFAULT_LENGTHS, multiple=block_tokens),
+                         default_lengths=lengths is None,
                          tiers=tier_list, repeat=repeat, block_tokens=block_tokens,
                          engine_args=parse_engine_args(engine_args, engine_arg or []),
                          settings=parse_settings(settings or []),
                          dram_bytes=None if dram_bytes is None else parse_size(dram_bytes, field="--dram-bytes"),
                          bandwidth_bytes=parse_size(bandwidth_size, field="--bandwidth-size"),
                          drop_caches=drop_caches, check_gate=check_gate)
+    for note in run.notes:
+        warn(note)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True)) as bar:
         task = bar.add_task("calibrating", total=None)

@@ -12,6 +12,7 @@ from rich.console import Console
 from pykv.auth import AuthStatus, load_key_ring
 from pykv.commands.output import JsonFlag, RootsArgument, emit, error_line, line, open_roots, plural, size
 from pykv.maintenance import FsckReport, fsck, fsck_devices, repair
+from pykv.maintenance.quarantine import combined
 from pykv.units import parse_duration
 
 
@@ -72,7 +73,12 @@ def _set_dict(reports: list[FsckReport]) -> dict[str, Any]:
             "unreachable_bytes": sum(r.unreachable_bytes for r in reports),
             **({} if reports[0].auth is None else {"auth": {
                 status.value: sum(r.auth[status.value] for r in reports) for status in AuthStatus}}),
-            "clean": all(r.clean for r in reports), "devices": [r.as_dict() for r in reports]}
+            "clean": all(r.clean for r in reports), "quarantined": _total_quarantined(reports),
+            "devices": [r.as_dict() for r in reports]}
+
+
+def _total_quarantined(reports: list[FsckReport]) -> dict[str, Any]:
+    return combined(report.quarantined for report in reports).as_dict()
 
 
 def _render_set(out: Console, data: dict[str, Any]) -> None:
@@ -106,7 +112,20 @@ def _render(out: Console, data: dict[str, Any]) -> None:
             line(out, f"deleted  {path}")
         for failure in data["failed"]:
             line(out, f"could not repair {failure['path']}: {failure['error']}")
+    _render_quarantined(out, data["quarantined"], f"{data['root']}/.pykv/quarantine")
     line(out, "clean" if data["clean"] else "problems remain")
+
+
+def _render_quarantined(out: Console, quarantined: dict[str, Any], where: str) -> None:
+    """One line on what the quarantine holds, if anything (it stays until someone deletes it)."""
+    if not quarantined["files"] and not quarantined["unreadable"]:
+        return
+    text = f"quarantine: {plural(quarantined['files'], 'file')} ({size(quarantined['bytes'])}) in {where}"
+    if quarantined["unreadable"]:
+        text += f", {quarantined['unreadable']} unreadable"
+    if not quarantined["complete"]:
+        text += ", counted in part"
+    line(out, text + "; kept until deleted by hand")
 
 
 def _render_auth(out: Console, data: dict[str, Any]) -> None:

@@ -24,7 +24,10 @@ def inspect_command(
     as_json: JsonFlag = False,
     no_catalog: NoCatalogFlag = False,
 ) -> None:
-    """Show namespaces with file counts, bytes, age histogram, temp files and the last gc.
+    """Show namespaces with file counts, bytes, age histogram, temp files, the quarantine and the last gc.
+
+    The quarantine (.pykv/quarantine: what fsck --repair and the engines moved aside) is counted
+    apart from the namespaces, per device for a set; links in it are never followed.
 
     Several ROOTs are one device set: the namespaces and ages over all of them, and a table of
     each device's blocks, bytes and share, with the blocks it holds that the set's placement puts
@@ -46,6 +49,8 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     rows = [[ns["id"][:12] or "(root)", ns["description"], ns["files"], size(ns["bytes"]), ns["temp_files"],
              ns["foreign"]] for ns in data["namespaces"]]
     rows.append(["total", "", data["files"], size(data["bytes"]), data["temp_files"], data["foreign"]])
+    quarantine = data["quarantine"]  # apart from the total: never served, never gc'd
+    rows.append(["quarantine", _quarantine_note(quarantine), quarantine["files"], size(quarantine["bytes"]), "-", "-"])
     title = str(data["root"]) if "root" in data else f"{len(data['roots'])} devices"
     out.print(table(title, ["namespace", "description", "files", "bytes", "temps", "foreign"], rows,
                     right={"files", "bytes", "temps", "foreign"}))
@@ -67,6 +72,14 @@ def _render(out: Console, data: dict[str, Any]) -> None:
               f"{data['dirs_cached']} from catalog)")
 
 
+def _quarantine_note(quarantine: dict[str, Any]) -> str:
+    """The quarantine row's description: where it is, and what the count could not see."""
+    note = ".pykv/quarantine, not served"
+    if quarantine["unreadable"]:
+        note += f", {quarantine['unreadable']} unreadable"
+    return note if quarantine["complete"] else note + ", counted in part"
+
+
 def _render_devices(out: Console, data: dict[str, Any]) -> None:
     rows = [[d["root"], d["id"], d["blocks"], size(d["bytes"]), f"{d['share']:.1%}", d["unreachable_blocks"]]
             for d in data["devices"]]
@@ -74,6 +87,10 @@ def _render_devices(out: Console, data: dict[str, Any]) -> None:
                  data["unreachable_blocks"]])
     out.print(table("devices", ["root", "identity", "blocks", "bytes", "share", "unreachable"], rows,
                     right={"blocks", "bytes", "share", "unreachable"}))
+    held = [f"device {index}: {plural(d['quarantine']['files'], 'file')} ({size(d['quarantine']['bytes'])})"
+            for index, d in enumerate(data["devices"]) if d["quarantine"]["files"] or d["quarantine"]["unreadable"]]
+    if held:
+        out.print("quarantine by device: " + ", ".join(held))
     if data["unreachable_blocks"]:
         out.print(f"unreachable: {plural(data['unreachable_blocks'], 'block')} ({size(data['unreachable_bytes'])}) "
                   "on a device other than the one this set places them on (stored before a device was added or "

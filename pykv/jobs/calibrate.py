@@ -31,7 +31,8 @@ must come from the tier being measured, or the calibration stops with an error.
 The medium's O_DIRECT read bandwidth is measured once with ``pykv.bench``.
 Before measuring, each engine runs one unmeasured warm-up request of its kind.
 The scratch tree and the work directory are removed at the end, also on errors
-and interruptions (the work directory, holding engine logs, stays on errors).
+and interruptions (the work directory stays when an engine failed: the error names its log),
+and so is ``--root`` on errors and interruptions if the calibration made it (``make_root``).
 
 Modules: ``calibrate_plan`` (the options and the plan), ``calibrate_engine`` (inside an
 engine process), ``calibrate_summary`` (checks and the assembled ``Calibration``), this
@@ -54,7 +55,7 @@ from pykv.counters import ENV as COUNTERS_ENV
 from pykv.errors import InputError
 from pykv.jobs.calibrate_plan import GATE_FILE, CalibrationRun, Phase, kv_bytes_per_token, plan_phases
 from pykv.jobs.calibrate_summary import assemble, check_sample
-from pykv.jobs.runner import EngineJob
+from pykv.jobs.runner import EngineJob, JobFailed
 from pykv.jobs.serve import DEFAULT_SEED, SEED_ENV
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,12 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
             raise InputError(f"--dram-bytes: cannot size the DRAM tier from {run.model}/config.json; give a size "
                              f"that holds the longest prompt's KV")
         dram_bytes = int(max(run.lengths) * per_token * 1.25) + (64 << 20)
-    run.root.mkdir(parents=True, exist_ok=True)  # one device: made if missing; a set's must exist
-    work = Path(tempfile.mkdtemp(prefix="pykv-calibrate-"))
+    made = make_root(run.root)  # one device: made if missing; a set's must exist
+    calibration: Calibration | None = None
+    work: Path | None = None
     scratches: list[Path] = []
     try:
+        work = Path(tempfile.mkdtemp(prefix="pykv-calibrate-"))
         scratches += [Path(tempfile.mkdtemp(prefix=".pykv-calibrate-", dir=root)) for root in run.root_paths]
         phases = plan_phases(run, scratches if len(scratches) > 1 else scratches[0], work, dram_bytes or 0)
         total = sum(p.units for p in phases) + 1
@@ -123,14 +126,42 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
                     if progress:
                         progress(description, done, total)
         calibration = fitted()
-    except KeyboardInterrupt:
-        shutil.rmtree(work, ignore_errors=True)  # interrupted on purpose: no logs to keep
+        return calibration
+    except JobFailed:
+        work = None  # kept: the error names the engine's log in it
         raise
     finally:
         for scratch in scratches:
             shutil.rmtree(scratch, ignore_errors=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return calibration
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        if calibration is None:
+            remove_empty(made)
+
+
+def make_root(root: Path) -> list[Path]:
+    """``mkdir -p root``; the directories it made, deepest first (``remove_empty`` undoes it)."""
+    made: list[Path] = []
+    path = root.absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        made.append(path)
+        path = path.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        remove_empty(made)
+        raise
+    return made
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (deepest first) while each is an empty directory: a failed calibration
+    leaves no directory it made, and never touches one that holds anything (someone else's files)."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _read_bandwidth(bench_raw_set: Callable[..., Any], directories: list[Path], size: int) -> float | None:

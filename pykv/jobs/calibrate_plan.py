@@ -17,6 +17,7 @@ from typing import Any
 from pykv.calibration import TIERS
 from pykv.config import root_keys
 from pykv.errors import InputError
+from pykv.jobs.model_limit import ModelLimit, engine_limit, fit_lengths
 
 PHASES = ("recompute", "store", "disk", "gated")
 GATE_FILE = "gate.json"
@@ -58,6 +59,13 @@ class CalibrationRun:
     python: str = sys.executable
     roots: list[Path] = field(default_factory=list)
     """A device set: one directory per device (each must exist); the scratch tree is a set of one per device."""
+    default_lengths: bool = False
+    """``lengths`` are the command's defaults: those longer than the model takes are dropped (see ``notes``)
+    instead of refused."""
+    model_limit: ModelLimit | None = field(default=None, init=False)
+    """The engines' longest sequence, from the model's config.json or ``engine_args``; None if unknown."""
+    notes: list[str] = field(default_factory=list, init=False)
+    """What validation changed (dropped default lengths), for the caller to show."""
 
     @property
     def root_paths(self) -> list[Path]:
@@ -73,6 +81,10 @@ class CalibrationRun:
                              f"(a device not mounted?); each directory of a device set must exist")
         if not self.lengths:
             raise InputError("--lengths: no lengths to measure")
+        self.model_limit = engine_limit(self.model, self.engine_args)  # vLLM says it only once an engine runs
+        self.lengths, note = fit_lengths(self.lengths, self.model_limit, self.block_tokens,
+                                         defaults=self.default_lengths)
+        self.notes = [note] if note else []
         if self.repeat < 1:
             raise InputError(f"--repeat: expected a positive integer, got {self.repeat}")
         if self.check_gate and "disk" not in self.tiers:
@@ -105,7 +117,10 @@ def prompt_tokens(tokens: int, seed: int) -> list[int]:
 
 
 def engine_kwargs(run: CalibrationRun) -> dict[str, Any]:
-    kwargs = {**ENGINE_DEFAULTS, "model": run.model, "max_model_len": max(run.lengths) + run.block_tokens}
+    longest = max(run.lengths) + run.block_tokens
+    if run.model_limit is not None:  # the lengths fit it (``fit_lengths``); one block more may not
+        longest = min(longest, run.model_limit.tokens)
+    kwargs = {**ENGINE_DEFAULTS, "model": run.model, "max_model_len": longest}
     kwargs.update(run.engine_args)
     return kwargs
 

@@ -9,6 +9,7 @@ and the xxh3-64 of the safetensors file, so a test can pin the exact weights a s
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import struct
@@ -104,6 +105,21 @@ def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pykv.jobs.tiny_model DIR [--seed N]``: write the checkpoint, print its directory."""
+    parser = argparse.ArgumentParser(prog="python -m pykv.jobs.tiny_model",
+                                     description="Write the tiny random-weights Llama checkpoint of the demo and "
+                                                 "the end-to-end tests into DIR (made if missing; kept if it "
+                                                 "already holds one).")
+    parser.add_argument("directory", metavar="DIR", type=Path, help="where to write config.json and the weights")
+    parser.add_argument("--seed", metavar="N", type=int, default=0, help="weights seed (default: 0, the tests')")
+    args = parser.parse_args(argv)
+    if str(args.directory).startswith("-"):  # after ``--``: a typo for an option, not a directory name
+        parser.exit(2, f"{parser.prog}: error: DIR {str(args.directory)!r} looks like an option; "
+                       f"write ./{args.directory} for a directory of that name\n")
+    print(make_tiny_llama(args.directory, seed=args.seed))
+    return 0
+
+
 if __name__ == "__main__":
-    import sys
-    print(make_tiny_llama(Path(sys.argv[1])))
+    raise SystemExit(main())

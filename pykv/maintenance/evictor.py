@@ -38,9 +38,10 @@ from pykv.config import PykvConfig
 from pykv.counters import Metric
 from pykv.deviceset import DeviceSet
 from pykv.maintenance.catalog import scan_tree
-from pykv.maintenance.gauges import DeviceGauges, quarantine_usage
+from pykv.maintenance.gauges import DeviceGauges
 from pykv.maintenance.gc import collect_scanned
 from pykv.maintenance.lease import Lease
+from pykv.maintenance.quarantine import quarantine_usage
 from pykv.maintenance.scan import Kind
 from pykv.tree import KVTree
 from pykv.units import format_size

@@ -23,7 +23,8 @@ nothing is lost and the user can take back what was theirs. \\* only a regular f
 named as pykv's temps are named (``pykv.tree.temp_name``, in every place pykv
 writes one: leaf dirs, namespace dirs, the root, ``.pykv``) with no other hard link
 is deleted; a temp's name on anything else (a directory, a FIFO, a file linked from
-elsewhere) is moved like foreign content.
+elsewhere) is moved like foreign content. The quarantine stays until someone deletes it: every
+report counts what all of it holds after the run (``quarantined``, ``pykv.maintenance.quarantine``).
 
 Young temps (within the grace period) may belong to a writer at work and are not
 problems. A file that vanishes while being checked or repaired was deleted by gc
@@ -58,8 +59,9 @@ from pykv.auth import AuthStatus, KeyRing
 from pykv.blockfile import check_block, read_header
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
-from pykv.format import HEADER_SIZE
+from pykv.format import OversizedError, TruncatedError
 from pykv.maintenance.placement import reachable as is_reachable
+from pykv.maintenance.quarantine import QuarantineUsage, counted
 from pykv.maintenance.scan import Entry, Kind, relative, walk
 from pykv.io.safe_paths import unlink_beneath
 from pykv.tree import QUARANTINE_DIR, KVTree
@@ -116,6 +118,7 @@ class FsckReport:
     unreachable_blocks: int = 0  # sound blocks on a device the set does not look on (``placement``)
     unreachable_bytes: int = 0
     auth: Counter[str] | None = None  # with a key ring: sound blocks by ``AuthStatus`` value
+    quarantined: QuarantineUsage = QuarantineUsage(0, 0)  # all of .pykv/quarantine, after the run
 
     @property
     def counts(self) -> dict[str, int]:
@@ -138,7 +141,7 @@ class FsckReport:
                 "repaired": len(self.repaired), "deleted": [f.path for f in self.deleted],
                 "moved": [f.path for f in self.moved], "quarantine": self.quarantine,
                 "failed": [{**f.as_dict(), "error": error} for f, error in self.failed],
-                "clean": self.clean,
+                "clean": self.clean, "quarantined": self.quarantined.as_dict(),
                 **({} if self.auth is None else {"auth": {status.value: self.auth[status.value]
                                                           for status in AuthStatus}}),
                 **({} if self.device_id is None else {
@@ -176,15 +179,16 @@ def _inspect_block_file(tree: KVTree, path: str,
 
 
 def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
-    size = os.lstat(path).st_size
-    try:
-        header = read_header(Path(path))
-    except FormatError:
-        return (Problem.TRUNCATED if size < HEADER_SIZE else Problem.BAD_HEADER), exc.reason
-    if size < header.file_size:
+    """The class of ``check_block``'s error: by its type for the file's size; else the header, if it
+    reads, was sound and the payload is damaged."""
+    if isinstance(exc, TruncatedError):
         return Problem.TRUNCATED, exc.reason
-    if size > header.file_size:
+    if isinstance(exc, OversizedError):
         return Problem.OVERSIZED, exc.reason
+    try:
+        read_header(Path(path))
+    except FormatError:
+        return Problem.BAD_HEADER, exc.reason
     return Problem.BAD_CHECKSUM, exc.reason
 
 
@@ -245,6 +249,7 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
             report.findings.append(Finding(relative(tree, entry.path), problem, detail,
                                            entry.is_dir, entry.is_symlink))
     report.findings.sort(key=lambda f: f.path)
+    report.quarantined = counted(tree)
     return report
 
 
@@ -276,6 +281,7 @@ def repair(tree: KVTree, report: FsckReport, keys: KeyRing | None = None) -> Fsc
             report.failed.append((finding, exc.strerror or str(exc)))
             continue
         report.repaired.append(finding)
+    report.quarantined = counted(tree)
     return report
 
 

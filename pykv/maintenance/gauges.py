@@ -4,7 +4,7 @@ engine's eviction rounds find it.
 No walk of its own: ``TreeEvictor`` scans every device each round anyway, and records
 in ``DeviceGauges`` what the round left (blocks, their bytes, still over the limit or
 not, when it ended); after a round, at most once a minute, it counts the device's
-quarantine (``quarantine_usage``: a walk of ``.pykv/quarantine`` only, bounded). The
+quarantine (``pykv.maintenance.quarantine``: a walk of ``.pykv/quarantine`` only, bounded). The
 engine's step only takes a snapshot (``samples``: one lock, no I/O).
 
 A value not known is NaN: before the first round, and always in an engine that runs no
@@ -15,20 +15,15 @@ value at server start; ``device_info`` and the limit never change after it.
 from __future__ import annotations
 
 import math
-import os
-import stat
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from pykv.counters import Gauge
-from pykv.io.safe_paths import directory_fd
-from pykv.maintenance.scan import allocated_size
-from pykv.tree import QUARANTINE_DIR, STATE_DIR, KVTree
+from pykv.maintenance.quarantine import QuarantineUsage
 
 NAN = math.nan
-QUARANTINE_WALK_LIMIT = 100_000  # a count stops after this many entries (its counts are then lower bounds)
 
 
 class GaugeSample(NamedTuple):
@@ -37,53 +32,6 @@ class GaugeSample(NamedTuple):
     gauge: Gauge
     labels: tuple[str, ...]
     value: float
-
-
-@dataclass(frozen=True)
-class QuarantineUsage:
-    """Files under a device's ``.pykv/quarantine`` and the bytes they occupy; ``complete`` is False
-    when the walk stopped at its limit (the counts are then lower bounds)."""
-
-    files: int
-    bytes: int
-    complete: bool = True
-
-
-def quarantine_usage(tree: KVTree, *, limit: int = QUARANTINE_WALK_LIMIT) -> QuarantineUsage:
-    """Count the quarantine of ``tree`` (no symlink followed, nothing outside it; a missing one is empty).
-    ``OSError`` when it cannot be read (a planted link at ``.pykv`` or ``quarantine``: ``ELOOP``)."""
-    try:
-        with directory_fd(tree.root, f"{STATE_DIR}/{QUARANTINE_DIR}") as top:
-            first = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top)
-    except FileNotFoundError:
-        return QuarantineUsage(0, 0)
-    files = size = seen = 0
-    pending = [first]
-    try:
-        while pending:
-            fd = pending.pop()
-            try:
-                with os.scandir(fd) as entries:
-                    for entry in entries:
-                        seen += 1
-                        if seen > limit:
-                            return QuarantineUsage(files, size, complete=False)
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                            if stat.S_ISDIR(st.st_mode):
-                                pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                                                       | os.O_CLOEXEC, dir_fd=fd))
-                            elif stat.S_ISREG(st.st_mode):
-                                files += 1
-                                size += allocated_size(st)
-                        except FileNotFoundError:  # removed while counted (fsck, an operator)
-                            continue
-            finally:
-                os.close(fd)
-    finally:
-        for fd in pending:
-            os.close(fd)
-    return QuarantineUsage(files, size)
 
 
 def start_samples(roots: Sequence[str], limit: int) -> list[GaugeSample]:

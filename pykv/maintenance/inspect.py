@@ -1,11 +1,12 @@
-"""A summary of what a tree holds: per namespace, files, bytes, ages, temps; the last gc.
+"""A summary of what a tree holds: per namespace, files, bytes, ages, temps; the quarantine; the last gc.
 
 Ages are measured from a block's mtime, its publication time (exact even from a
 cached scan); recency of access is gc's concern and is read fresh there.
 
-Over a device set (``inspect_devices``) the namespaces, ages and temps are summed over
-all devices, and each device's share comes with the blocks it holds that the set's
-placement puts elsewhere (``pykv.maintenance.placement``).
+The quarantine (``pykv.maintenance.quarantine``) is counted apart: its files are in no
+namespace's counts. Over a device set (``inspect_devices``) the namespaces, ages, temps and
+quarantines are summed over all devices, and each device's share comes with its quarantine and
+the blocks it holds that the set's placement puts elsewhere (``pykv.maintenance.placement``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pykv.io.safe_paths import read_small
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.gc import last_gc
 from pykv.maintenance.placement import DeviceShare, device_shares
+from pykv.maintenance.quarantine import QuarantineUsage, combined, counted
 from pykv.maintenance.scan import Entry, Kind, Scan
 from pykv.tree import NAMESPACE_FILE, KVTree
 
@@ -71,6 +73,7 @@ class TreeSummary:
     dirs_listed: int = 0
     dirs_cached: int = 0
     seconds: float = 0.0
+    quarantine: QuarantineUsage = QuarantineUsage(0, 0)  # not in the counts above
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,13 +161,15 @@ class DeviceSetSummary:
     summary: TreeSummary  # its ``root``: the first device's
     devices: list[DeviceShare]
     last_gcs: list[dict[str, Any] | None]  # per device
+    quarantines: list[QuarantineUsage] = field(default_factory=list)  # per device
 
     def as_dict(self) -> dict[str, Any]:
         """``TreeSummary.as_dict`` with ``roots`` for ``root`` and a ``devices`` table (each
         device's share, its unreachable blocks and its last gc)."""
         data = self.summary.as_dict()
         del data["root"]
-        devices = [{**share.as_dict(), "last_gc": gc} for share, gc in zip(self.devices, self.last_gcs)]
+        devices = [{**share.as_dict(), "last_gc": gc, "quarantine": quarantine.as_dict()}
+                   for share, gc, quarantine in zip(self.devices, self.last_gcs, self.quarantines)]
         return {"roots": [share.root for share in self.devices], **data, "devices": devices,
                 "unreachable_blocks": sum(share.unreachable_blocks for share in self.devices),
                 "unreachable_bytes": sum(share.unreachable_bytes for share in self.devices)}
@@ -172,13 +177,14 @@ class DeviceSetSummary:
 
 def inspect_devices(devices: DeviceSet, *, use_catalog: bool = True) -> DeviceSetSummary:
     """Scan every device of ``devices`` (each through its catalog when possible) and summarize the set."""
-    summary, scans, gcs = _inspect(devices.trees, use_catalog=use_catalog)
-    return DeviceSetSummary(summary, device_shares(devices, [scan.entries for scan in scans]), gcs)
+    summary, scans, gcs, quarantines = _inspect(devices.trees, use_catalog=use_catalog)
+    return DeviceSetSummary(summary, device_shares(devices, [scan.entries for scan in scans]), gcs, quarantines)
 
 
-def _inspect(trees: Sequence[KVTree], *, use_catalog: bool) -> tuple[TreeSummary, list[Scan], list[dict | None]]:
-    """The summary over ``trees`` (``root``: the first's; the last gc: the latest of theirs), their
-    scans and each one's last gc."""
+def _inspect(trees: Sequence[KVTree], *, use_catalog: bool
+             ) -> tuple[TreeSummary, list[Scan], list[dict | None], list[QuarantineUsage]]:
+    """The summary over ``trees`` (``root``: the first's; the last gc: the latest of theirs; the
+    quarantine: theirs summed), their scans, each one's last gc and each one's quarantine."""
     started = time.monotonic()
     scans = [scan_tree(tree, use_catalog=use_catalog) for tree in trees]
     summary = summarize(str(trees[0].root), (e for scan in scans for e in scan.entries), now_ns=time.time_ns())
@@ -191,5 +197,7 @@ def _inspect(trees: Sequence[KVTree], *, use_catalog: bool) -> tuple[TreeSummary
     summary.last_gc = max((gc for gc in gcs if gc), key=lambda gc: gc["finished_at"], default=None)
     summary.dirs_listed = sum(scan.dirs_listed for scan in scans)
     summary.dirs_cached = sum(scan.dirs_cached for scan in scans)
+    quarantines = [counted(tree) for tree in trees]
+    summary.quarantine = combined(quarantines)
     summary.seconds = time.monotonic() - started
-    return summary, scans, gcs
+    return summary, scans, gcs, quarantines
