@@ -179,10 +179,11 @@ def test_kv_bytes_per_token_from_config(tmp_path):
     (["--set", "store=false"], "--set store: not allowed here"),
 ])
 def test_bad_options_are_one_line_before_any_engine_starts(tmp_path, args, needle):
+    (tmp_path / "root").mkdir()
     result = invoke("--model", str(tmp_path / "m"), "--root", str(tmp_path / "root"), "--no-plot", *args)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("pykv: error: ") and needle in result.stderr and result.stderr.count("\n") == 1
-    assert not (tmp_path / "root").exists()
+    assert list((tmp_path / "root").iterdir()) == []
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
@@ -212,6 +213,7 @@ def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch)
                                    "echo '{\"event\": \"started\", \"seconds\": 1, \"engine\": {}}' >> \"$events\"\n"
                                    "exec sleep 600\n")
     root = tmp_path / "medium"
+    root.mkdir()
     run = CalibrationRun(model="m", root=root, lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20, python=python)
 
     def progress(description: str, done: int, total: int) -> None:
@@ -221,7 +223,7 @@ def test_interruption_stops_the_engine_and_leaves_no_file(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run_calibration(run, progress)
     assert not _is_running(int(pid_file.read_text()))
-    assert not root.exists()  # the scratch tree is gone, and the root calibrate made
+    assert list(root.iterdir()) == []  # the scratch tree is gone
     assert list((tmp_path / "tmp").iterdir()) == []  # and the work directory
 
 
@@ -234,12 +236,13 @@ def test_failed_engine_names_its_log_and_root_cause(tmp_path, monkeypatch):
                                    "echo '(Worker pid=1) ERROR [x.py:9] ValueError: the model is too large' >&2\n"
                                    "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
                                    "exit 3\n")
+    (tmp_path / "medium").mkdir()
     run = CalibrationRun(model="m", root=tmp_path / "medium", lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20,
                          python=python)
     with pytest.raises(PykvError, match=r"the recompute engine failed \(exit 3\): ValueError: the model is too "
                                         r"large; its log is .*recompute\.log"):
         run_calibration(run)
-    assert not (tmp_path / "medium").exists()  # calibrate made it: removed with its scratch tree
+    assert list((tmp_path / "medium").iterdir()) == []  # its scratch tree removed
     assert [p.name for p in tmp_path.glob("pykv-calibrate-*/*.log")] == ["recompute.log"]  # the log the error names
     assert not _is_running(int(orphan.read_text()))
 
@@ -248,22 +251,27 @@ def failing_engine(tmp_path: Path) -> str:
     return fake_python(tmp_path, "echo 'ValueError: no' >&2\nexit 3\n")
 
 
-def test_a_failed_run_removes_only_the_directories_it_made(tmp_path, monkeypatch):
+def test_a_missing_root_is_refused_and_nothing_is_made(tmp_path, monkeypatch):
+    """The one rule of docs/configuration.md: pykv never creates a root (an unmounted device would be
+    measured as the OS disk), so a missing --root is refused before anything is made."""
+    from pykv.jobs.calibrate import CalibrationRun
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    for missing in (tmp_path / "medium", tmp_path / "a" / "b" / "medium"):
+        with pytest.raises(InputError, match=r"^--root: .* does not exist; create it with `pykv init"):
+            CalibrationRun(model="m", root=missing, lengths=[256], tiers=["disk"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_failed_run_leaves_the_roots_as_they_were(tmp_path, monkeypatch):
     from pykv.jobs.calibrate import CalibrationRun, run_calibration
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     python = failing_engine(tmp_path)
-    made = tmp_path / "a" / "b" / "medium"
-    with pytest.raises(PykvError, match="the recompute engine failed"):
-        run_calibration(CalibrationRun(model="m", root=made, lengths=[256], tiers=["disk"], bandwidth_bytes=1 << 20,
-                                       python=python))
-    assert not (tmp_path / "a").exists()  # every missing parent it made too
     users = tmp_path / "users"  # an existing root with data: kept as it was
     (users / "keep").mkdir(parents=True)
     (users / "keep" / "data").write_text("x")
-    with pytest.raises(PykvError, match="the recompute engine failed"):
-        run_calibration(CalibrationRun(model="m", root=users / "new", lengths=[256], tiers=["disk"],
-                                       bandwidth_bytes=1 << 20, python=python))
     with pytest.raises(PykvError, match="the recompute engine failed"):
         run_calibration(CalibrationRun(model="m", root=users, lengths=[256], tiers=["disk"],
                                        bandwidth_bytes=1 << 20, python=python))
@@ -277,9 +285,10 @@ def test_a_run_refused_before_the_engines_leaves_no_work_directory(tmp_path, mon
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(calibrate, "plan_phases", lambda *a: (_ for _ in ()).throw(InputError("--set: refused")))
+    (tmp_path / "medium").mkdir()
     with pytest.raises(InputError, match="refused"):
         run_calibration(CalibrationRun(model="m", root=tmp_path / "medium", lengths=[256], tiers=["disk"]))
-    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "medium").exists()
+    assert list((tmp_path / "tmp").iterdir()) == [] and list((tmp_path / "medium").iterdir()) == []
 
 
 def tiny_config(tmp_path: Path) -> Path:
@@ -294,17 +303,18 @@ def tiny_config(tmp_path: Path) -> Path:
 
 def test_lengths_over_the_models_limit_are_one_line_before_any_engine_starts(tmp_path):
     model = tiny_config(tmp_path)
+    (tmp_path / "root").mkdir()
     result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot", "--lengths", "1k,40k,80k")
     assert result.exit_code == 2, result.output
     assert result.stderr == (f"pykv: error: --lengths: 40960 and 81920 do not fit the model's limit of 4096 tokens "
                              f"(max_position_embeddings in {model}/config.json); give --lengths up to 3840 (a length "
                              f"L runs a prompt of L + 1 tokens and generates one)\n")
-    assert not (tmp_path / "root").exists()
+    assert list((tmp_path / "root").iterdir()) == []
     result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot", "--lengths", "1k",
                     "--engine-arg", "max_model_len=1024")  # the engine's own limit counts too
     assert result.exit_code == 2 and "--lengths: 1024 does not fit the model's limit of 1024 tokens (max_model_len " \
                                       "in the engine arguments); give --lengths up to 768" in result.stderr
-    assert not (tmp_path / "root").exists()
+    assert list((tmp_path / "root").iterdir()) == []
 
 
 def test_default_lengths_over_the_models_limit_are_dropped_with_a_note(tmp_path, monkeypatch):
@@ -319,6 +329,7 @@ def test_default_lengths_over_the_models_limit_are_dropped_with_a_note(tmp_path,
 
     monkeypatch.setattr(command, "run_calibration", stop)
     model = tiny_config(tmp_path)
+    (tmp_path / "root").mkdir()
     result = invoke("--model", str(model), "--root", str(tmp_path / "root"), "--no-plot")
     assert result.exit_code == 2 and "stopped before the engines" in result.stderr
     assert runs[0].lengths == [1024, 2048, 3840]

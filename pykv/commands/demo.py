@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,7 @@ import typer
 from pykv.commands.inspect import inspect_command
 from pykv.commands.output import console, engine_roots, table
 from pykv.counters import WorkerCounter
-from pykv.jobs.demo import PROMPT_TOKENS, STORAGE_BLOCK_TOKENS, run_demo
+from pykv.jobs.demo import PROMPT_TOKENS, STEPS, STORAGE_BLOCK_TOKENS, run_demo
 from pykv.jobs.runner import require_vllm
 
 
@@ -40,7 +41,13 @@ def demo_command(
 def _run_demo(roots: list[Path], work: Path, log: Path) -> None:
     typer.echo(f"starting vLLM with pykv (tree {', '.join(map(str, roots))}, engine log {log}); the engine takes "
                "about a minute to start ...", err=True)
-    runs, counters = run_demo(roots, work, log)
+    started = time.monotonic()
+
+    def say(phase: str, done: int, total: int) -> None:
+        step = STEPS.get(phase, phase).format(done=done, total=total)
+        typer.echo(f"  {time.monotonic() - started:5.0f} s  {step}", err=True)
+
+    runs, counters = run_demo(roots, work, log, progress=say)
     first, second = runs
     worker = counters.worker(0)
     rows = [[r["run"], r["num_cached_tokens"], f"{r['seconds']:.3f}", " ".join(map(str, r["tokens"]))] for r in runs]

@@ -31,8 +31,8 @@ must come from the tier being measured, or the calibration stops with an error.
 The medium's O_DIRECT read bandwidth is measured once with ``pykv.bench``.
 Before measuring, each engine runs one unmeasured warm-up request of its kind.
 The scratch tree and the work directory are removed at the end, also on errors
-and interruptions (the work directory stays when an engine failed: the error names its log),
-and so is ``--root`` on errors and interruptions if the calibration made it (``make_root``).
+and interruptions (the work directory stays when an engine failed: the error names its log).
+Every ``--root`` must exist (``require_roots``): calibration makes nothing outside them.
 
 Modules: ``calibrate_plan`` (the options and the plan), ``calibrate_engine`` (inside an
 engine process), ``calibrate_summary`` (checks and the assembled ``Calibration``), this
@@ -77,8 +77,6 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
             raise InputError(f"--dram-bytes: cannot size the DRAM tier from {run.model}/config.json; give a size "
                              f"that holds the longest prompt's KV")
         dram_bytes = int(max(run.lengths) * per_token * 1.25) + (64 << 20)
-    made = make_root(run.root)  # one device: made if missing; a set's must exist
-    calibration: Calibration | None = None
     work: Path | None = None
     scratches: list[Path] = []
     try:
@@ -125,8 +123,7 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
                                        f"{event['seconds']:.3f} s")
                     if progress:
                         progress(description, done, total)
-        calibration = fitted()
-        return calibration
+        return fitted()
     except JobFailed:
         work = None  # kept: the error names the engine's log in it
         raise
@@ -135,33 +132,6 @@ def run_calibration(run: CalibrationRun, progress: ProgressCallback | None = Non
             shutil.rmtree(scratch, ignore_errors=True)
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-        if calibration is None:
-            remove_empty(made)
-
-
-def make_root(root: Path) -> list[Path]:
-    """``mkdir -p root``; the directories it made, deepest first (``remove_empty`` undoes it)."""
-    made: list[Path] = []
-    path = root.absolute()
-    while not os.path.lexists(path) and path != path.parent:
-        made.append(path)
-        path = path.parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except BaseException:
-        remove_empty(made)
-        raise
-    return made
-
-
-def remove_empty(directories: list[Path]) -> None:
-    """Remove ``directories`` (deepest first) while each is an empty directory: a failed calibration
-    leaves no directory it made, and never touches one that holds anything (someone else's files)."""
-    for directory in directories:
-        try:
-            directory.rmdir()
-        except OSError:
-            return
 
 
 def _read_bandwidth(bench_raw_set: Callable[..., Any], directories: list[Path], size: int) -> float | None:

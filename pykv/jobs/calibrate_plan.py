@@ -16,6 +16,7 @@ from typing import Any
 
 from pykv.calibration import TIERS
 from pykv.config import root_keys
+from pykv.deviceset import require_roots
 from pykv.errors import InputError
 from pykv.jobs.model_limit import ModelLimit, engine_limit, fit_lengths
 
@@ -74,11 +75,7 @@ class CalibrationRun:
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         self.roots = [Path(root) for root in self.roots]
-        absent = [root for root in self.roots if not root.is_dir()] if len(self.roots) > 1 else []
-        if absent:
-            root = absent[0]
-            raise InputError(f"--root {root}: {'not a directory' if root.exists() else 'does not exist'} "
-                             f"(a device not mounted?); each directory of a device set must exist")
+        require_roots(self.root_paths, field="--root")  # the one rule: every root exists, none is made
         if not self.lengths:
             raise InputError("--lengths: no lengths to measure")
         self.model_limit = engine_limit(self.model, self.engine_args)  # vLLM says it only once an engine runs
