@@ -116,7 +116,7 @@ def test_calibration_engines_use_a_scratch_tree_on_every_device(tmp_path):
         assert extra["roots"] == [str(s) for s in scratches] and "root" not in extra
     with pytest.raises(InputError, match="--set roots"):
         CalibrationRun(model="m", root=roots[0], lengths=[256], settings={"roots": [str(r) for r in roots]})
-    with pytest.raises(InputError, match="gone: does not exist"):
+    with pytest.raises(InputError, match=r"gone does not exist; create it with `pykv init"):
         CalibrationRun(model="m", root=roots[0], roots=[roots[0], tmp_path / "gone"], lengths=[256])
 
 

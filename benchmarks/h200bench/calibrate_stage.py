@@ -62,6 +62,7 @@ def run(runner) -> None:
         base = runner.loop_setup("cal", math.ceil(need * 1.15 / GIB) * GIB)
     else:
         base = os.path.join(runner.disk_dir, "cal")
+    os.makedirs(base, exist_ok=True)  # calibrate measures an existing directory: it never makes a root
     calibration_run = CalibrationRun(
         model=model, root=Path(base), lengths=lengths, tiers=a.cal_tiers.split(","), repeat=a.cal_repeat or 2,
         block_tokens=CHUNK, settings=runner.pykv_settings(), engine_args=engine_args(runner),
