@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+from hostile_leases import HOSTILE, check_outside_intact, plant, quarantined
 from treefactory import BLOCK_SIZE, GEOMETRY, HOUR, NS, add_block, key, make_tree, set_mtime
 
 from pykv.counters import Metric
@@ -130,14 +131,31 @@ def test_a_failed_round_is_counted_and_never_raises(tmp_path, caplog):
     tree = make_tree(tmp_path)
     fill(tree, 14)
     tree.ensure_state_dir()
-    (tree.state_dir / "evict.lease").symlink_to(tmp_path)  # planted: refused, left in place
+    os.rename(tree.state_dir, tmp_path / "elsewhere")
+    tree.state_dir.symlink_to(tmp_path / "elsewhere")  # planted: never followed, so no lease can be taken
     ev = evictor(tree)
     with caplog.at_level(logging.WARNING):
         assert ev.run_once() == [None] and ev.run_once() == [None]
     assert ev.stats() == {Metric.EVICT_ERRORS: 2}
     [warning] = caplog.records  # the same failure again is not warned about every round
-    assert "not a lease pykv wrote" in warning.getMessage()
+    assert f"eviction round on {tree.root} failed" in warning.getMessage()
     assert block_bytes(tree) == 14 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_round_moves_what_pykv_did_not_write_at_the_lease_name_to_quarantine_and_evicts(tmp_path, case, caplog):
+    tree = make_tree(tmp_path)
+    fill(tree, 14)
+    plant(tree, case, tmp_path / "outside")
+    ev = evictor(tree)
+    with caplog.at_level(logging.WARNING):
+        [result] = ev.run_once()
+    assert result is not None and result.after_bytes <= policy().low_water == block_bytes(tree)
+    assert ev.stats()[Metric.EVICT_ROUNDS] == 1 and not ev.behind
+    [warning] = [r.getMessage() for r in caplog.records]  # one line: the file, what it is, where it went
+    assert f"{tree.root}/.pykv/evict.lease: " in warning and "moved to quarantine" in warning
+    assert len(quarantined(tree)) == 1 and not os.path.lexists(tree.state_dir / "evict.lease")  # released
+    check_outside_intact(tree, tmp_path / "outside")
 
 
 def test_the_limit_is_per_device(tmp_path):

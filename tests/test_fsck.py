@@ -5,10 +5,12 @@ import shutil
 
 import pytest
 
+from hostile_leases import HOSTILE, check_outside_intact, plant, quarantined
 from treefactory import HOUR, NS, OTHER_NS, add_block, key, make_tree, set_mtime
 
 from pykv.format import HEADER_SIZE
 from pykv.maintenance.fsck import Problem, fsck, repair
+from pykv.maintenance.lease import Lease, read_lease
 from pykv.maintenance.scan import Kind, Scan
 
 
@@ -155,3 +157,38 @@ def test_a_cut_block_is_truncated_naming_its_size_and_the_headers(tmp_path, cut,
     os.truncate(path, cut)
     [finding] = fsck(tree).findings
     assert (finding.problem, finding.detail) == (Problem.TRUNCATED, detail)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_what_pykv_did_not_write_at_the_lease_name_is_found_and_moved_to_quarantine(tmp_path, case):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(0))
+    plant(tree, case, tmp_path / "outside")
+    report = fsck(tree)
+    [finding] = report.findings
+    assert (finding.path, finding.problem) == (".pykv/evict.lease", Problem.FOREIGN) and not report.clean
+    repaired = repair(tree, report)
+    assert repaired.clean and repaired.moved == [finding] and len(quarantined(tree)) == 1
+    assert fsck(tree).clean
+    check_outside_intact(tree, tmp_path / "outside")
+
+
+def test_the_cli_names_a_hard_linked_lease_and_repair_moves_it(tmp_path):
+    from typer.testing import CliRunner
+    from pykv.commands.app import app
+    tree = make_tree(tmp_path)
+    plant(tree, "hard-link", tmp_path / "outside")
+    found = CliRunner().invoke(app, ["fsck", str(tree.root)])
+    assert found.exit_code == 1
+    assert "foreign       .pykv/evict.lease  (a file with 2 hard links, not a lease pykv wrote)" in found.output
+    repaired = CliRunner().invoke(app, ["fsck", "--repair", str(tree.root)])
+    assert repaired.exit_code == 0 and "moved    .pykv/evict.lease" in repaired.output
+    assert len(quarantined(tree)) == 1 and CliRunner().invoke(app, ["fsck", str(tree.root)]).exit_code == 0
+
+
+def test_repair_leaves_a_sound_lease_taken_since_the_check(tmp_path):
+    tree = make_tree(tmp_path)
+    plant(tree, "expiry-2100", tmp_path / "outside")
+    report = fsck(tree)
+    assert Lease(tree, "engine", ttl_s=30).acquire()  # an evictor took over (and quarantined it) meanwhile
+    assert repair(tree, report).clean and read_lease(tree).holder == "engine" and len(quarantined(tree)) == 1

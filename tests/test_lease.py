@@ -1,8 +1,7 @@
-"""The eviction lease on a real tree: one holder at a time, stale holders taken over, foreign files left."""
+"""The eviction lease on a real tree: one holder at a time, stale holders taken over, foreign files quarantined."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,9 @@ import time
 
 import pytest
 
-from pykv.maintenance.lease import Lease, LeaseRefused, read_lease
+from hostile_leases import HOSTILE, check_outside_intact, plant, quarantined
+from pykv.maintenance.lease import (CLOCK_SKEW_S, MAX_TERM_S, Lease, LeaseRefused, check_lease, quarantine_lease,
+                                    read_lease)
 from pykv.maintenance.scan import Kind, Scan
 from pykv.tree import LEASE_NAME, KVTree, is_temp_of
 from reliability.racing import contend_for_lease, race
@@ -141,21 +142,34 @@ def test_contenders_for_a_stale_lease_end_with_one_holder(tree):
     assert leftovers(tree) == []
 
 
-def test_a_foreign_entry_at_the_lease_name_is_refused_and_left_alone(tree, tmp_path):
-    victim = tmp_path / "victim"
-    victim.write_text("keep")
-    tree.ensure_state_dir()
-    lease_path(tree).symlink_to(victim)
-    with pytest.raises(LeaseRefused, match="not a lease pykv wrote"):
-        Lease(tree, "a", ttl_s=TTL).acquire()
-    assert victim.read_text() == "keep" and lease_path(tree).is_symlink()
-    lease_path(tree).unlink()
-    other = tmp_path / "other"
-    other.write_text("{}")
-    os.link(other, lease_path(tree))  # a hard link from outside: not ours either
-    with pytest.raises(LeaseRefused):
-        Lease(tree, "a", ttl_s=TTL).acquire()
-    assert other.read_text() == "{}"
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_what_pykv_did_not_write_at_the_lease_name_is_moved_to_quarantine_and_taken_over(tree, tmp_path, case):
+    plant(tree, case, tmp_path / "outside")
+    assert check_lease(tree).fault.value == HOSTILE[case][1]
+    assert Lease(tree, "a", ttl_s=TTL).acquire() and read_lease(tree).holder == "a"
+    assert len(quarantined(tree)) == 1 and check_lease(tree) is None  # moved, never deleted
+    check_outside_intact(tree, tmp_path / "outside")
+    assert leftovers(tree) == []
+
+
+def test_a_lease_within_pykvs_longest_term_is_pykvs_and_a_longer_ttl_is_cut(tree):
+    clock = Clock()
+    a = Lease(tree, "a", ttl_s=100 * MAX_TERM_S, clock=clock)
+    assert a.acquire() and read_lease(tree).expires_at == clock.now + MAX_TERM_S
+    assert check_lease(tree) is None and not Lease(tree, "b", ttl_s=TTL, clock=clock).acquire()
+    clock.now -= CLOCK_SKEW_S - 1  # another node whose clock is behind, within the skew: still pykv's
+    assert check_lease(tree, clock.now) is None and not Lease(tree, "c", ttl_s=TTL, clock=clock).acquire()
+    assert quarantined(tree) == []
+
+
+def test_a_lease_published_after_the_defect_was_judged_is_left_in_place(tree, tmp_path):
+    path = plant(tree, "garbage", tmp_path / "outside")
+    judged = check_lease(tree)
+    path.rename(tmp_path / "outside" / "kept")  # (kept: its inode cannot be reused by the new lease)
+    assert Lease(tree, "b", ttl_s=TTL).acquire()
+    assert quarantine_lease(tree, "run", judged) is None  # moved, found to be another inode, linked back
+    assert read_lease(tree).holder == "b" and quarantined(tree) == []
+    assert not (tree.state_dir / "quarantine" / "run" / ".pykv" / LEASE_NAME).exists()
 
 
 def test_a_lease_caught_mid_publish_is_read_once_its_temp_link_is_gone(tree):
@@ -192,15 +206,6 @@ def test_processes_racing_for_a_free_lease_never_see_a_publish_as_foreign(tmp_pa
         reports, _ = race(contend_for_lease, [(str(tree.root), f"p{i}") for i in range(4)], method="fork", timeout=60)
         assert [error for _, _, error in reports] == [""] * 4
         assert sum(won for _, won, _ in reports) == 1
-
-
-def test_a_file_that_is_no_lease_expires_by_its_mtime(tree):
-    tree.ensure_state_dir()
-    lease_path(tree).write_bytes(b"\x00garbage")
-    assert not Lease(tree, "a", ttl_s=TTL).acquire()  # fresh: someone may be writing leases we cannot read
-    old = time.time() - 3600
-    os.utime(lease_path(tree), (old, old))
-    assert Lease(tree, "a", ttl_s=TTL).acquire() and json.loads(lease_path(tree).read_bytes())["holder"] == "a"
 
 
 def test_scans_see_the_lease_and_its_temps_as_pykvs(tree):

@@ -7,7 +7,8 @@ A check is one round per device (the limit is per device: each device's share of
 tree is kept under it):
 
 1. take the device's lease (``pykv.maintenance.lease``); another engine holds it: skip
-   (that engine is evicting now), try again a quarter second later;
+   (that engine is evicting now), try again a quarter second later; what stands at its
+   name that pykv did not write is moved to quarantine and the lease taken;
 2. scan the device (through gc's catalog) and, when its blocks exceed the limit, delete
    least-recently-accessed blocks down to the low-water mark (90 % of the limit) with
    gc's own code (``gc.collect_scanned``: min age, re-stat before each unlink, only
@@ -82,7 +83,8 @@ class EvictionPolicy:
     @property
     def lease_ttl_s(self) -> float:
         """A lease not renewed for this long is stale (its holder crashed or hung); the evictor
-        lengthens it to three times a device's last round where rounds take longer."""
+        lengthens it to three times a device's last round where rounds take longer (the lease
+        cuts it to ``MAX_TERM_S``)."""
         return max(3 * self.interval_s, MIN_LEASE_TTL_S)
 
 

@@ -23,7 +23,10 @@ nothing is lost and the user can take back what was theirs. \\* only a regular f
 named as pykv's temps are named (``pykv.tree.temp_name``, in every place pykv
 writes one: leaf dirs, namespace dirs, the root, ``.pykv``) with no other hard link
 is deleted; a temp's name on anything else (a directory, a FIFO, a file linked from
-elsewhere) is moved like foreign content. The quarantine stays until someone deletes it: every
+elsewhere) is moved like foreign content. What stands at the eviction lease's name is
+judged in full (``pykv.maintenance.lease.check_lease``: type, links, size, fields, expiry,
+mtime): anything pykv did not write there is ``foreign``, and moved unless a sound lease
+replaced it meanwhile. The quarantine stays until someone deletes it: every
 report counts what all of it holds after the run (``quarantined``, ``pykv.maintenance.quarantine``).
 
 Young temps (within the grace period) may belong to a writer at work and are not
@@ -60,6 +63,7 @@ from pykv.blockfile import check_block, read_header
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
 from pykv.format import OversizedError, TruncatedError
+from pykv.maintenance.lease import LEASE_PATH, check_lease, quarantine_lease
 from pykv.maintenance.placement import reachable as is_reachable
 from pykv.maintenance.quarantine import QuarantineUsage, counted
 from pykv.maintenance.scan import Entry, Kind, relative, walk
@@ -248,6 +252,9 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
             problem, detail = found
             report.findings.append(Finding(relative(tree, entry.path), problem, detail,
                                            entry.is_dir, entry.is_symlink))
+    if (lease := check_lease(tree)) is not None:  # judged in full, not by its type alone as the walk does
+        report.findings = [f for f in report.findings if f.path != lease.path] + [
+            Finding(lease.path, Problem.FOREIGN, lease.detail, lease.is_dir, lease.is_symlink)]
     report.findings.sort(key=lambda f: f.path)
     report.quarantined = counted(tree)
     return report
@@ -273,7 +280,11 @@ def repair(tree: KVTree, report: FsckReport, keys: KeyRing | None = None) -> Fsc
                         and check_block_file(tree, path, keys) is None:
                     report.repaired.append(finding)
                     continue
-                tree.quarantine(path, run)
+                if finding.path != LEASE_PATH:
+                    tree.quarantine(path, run)
+                elif quarantine_lease(tree, run) is None:  # a sound lease stands there by now: left
+                    report.repaired.append(finding)
+                    continue
                 report.moved.append(finding)
         except FileNotFoundError:
             pass  # gone already: nothing left to fix

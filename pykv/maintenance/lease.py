@@ -25,34 +25,73 @@ deleted as freed by someone else, so at worst a little more is evicted; no reade
 sees wrong data (a deleted block is a miss). Expiries compare the holder's clock with
 the reader's: node clocks must agree within the time to live (NTP; ``pykv doctor``).
 
-A lease file that is not a regular file with one link (a planted link, FIFO or
-directory; a second hard link that outlives a publish) is never touched: the lease is
-refused (``LeaseRefused``) until ``pykv fsck`` has dealt with it. A regular file at the
-lease's name that does not parse expires by its mtime.
+pykv owns the lease's name. Whatever stands there that pykv would not have written
+(``LeaseDefect``: not a regular file, a second hard link, more than ``LEASE_LIMIT`` bytes,
+not a lease's JSON fields and types, a non-finite expiry, an expiry beyond the longest
+term pykv grants, ``MAX_TERM_S``, or before its own mtime by more than that, an mtime in
+the future) is judged from ``lstat`` and at most ``LEASE_LIMIT + 1`` bytes, never
+followed, never deleted: ``pykv fsck`` reports it (``check_lease``), and both
+``fsck --repair`` and an evictor about to take the lease move it into the tree's
+quarantine (``quarantine_lease``), so no file can stop eviction for longer than
+``MAX_TERM_S`` + ``CLOCK_SKEW_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import json
+import logging
+import math
 import os
 import secrets
 import stat
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from pykv.errors import UnsafePathError
-from pykv.io.safe_paths import directory_fd, open_regular
-from pykv.tree import HOST, LEASE_NAME, STATE_DIR, KVTree, replace_small, temp_name, write_small
+from pykv.io.safe_paths import directory_fd, open_regular, rename_beneath
+from pykv.tree import HOST, LEASE_NAME, QUARANTINE_DIR, STATE_DIR, KVTree, replace_small, temp_name, write_small
+
+log = logging.getLogger(__name__)
 
 LEASE_LIMIT = 4096  # a lease is ~150 bytes; anything larger is not one
+LEASE_PATH = f"{STATE_DIR}/{LEASE_NAME}"  # relative to the root
 RENEW_MARGIN_S = 1.0  # closer to its expiry, a lease is renewed the takeover's way (never renamed over)
+MAX_TERM_S = 600.0  # the longest term pykv grants a lease (a longer ``ttl_s`` is cut to it)
+CLOCK_SKEW_S = 60.0  # node and file-server clocks may disagree this much (``pykv doctor`` warns at 30 s)
+
+
+class LeaseFault(str, enum.Enum):
+    """Why what stands at the lease's name is not a lease pykv wrote."""
+
+    NOT_A_FILE = "not-a-file"  # a symlink, directory, FIFO, socket or device
+    LINKED = "linked"  # a regular file with another hard link
+    OVERSIZED = "oversized"
+    UNPARSABLE = "unparsable"  # not JSON, or not a lease's fields and types
+    NON_FINITE = "non-finite"  # an expiry of Infinity or NaN
+    FAR_EXPIRY = "far-expiry"  # beyond now + MAX_TERM_S, or long before it was written
+    FUTURE_MTIME = "future-mtime"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class LeaseDefect:
+    """A foreign entry at the lease's name: why (``fault``, ``detail``), and which inode was judged."""
+
+    fault: LeaseFault
+    detail: str
+    identity: tuple[int, int]  # (st_dev, st_ino)
+    is_dir: bool = False
+    is_symlink: bool = False
+    path: str = LEASE_PATH
 
 
 class LeaseRefused(UnsafePathError):
-    """What stands at the lease's name is not a file pykv wrote; it is left for ``pykv fsck``."""
+    """What stands at the lease's name is not a file pykv wrote (``read_lease``)."""
 
 
 @dataclass(frozen=True)
@@ -85,15 +124,21 @@ class Lease:
 
     def acquire(self) -> bool:
         """Take the lease: True if this holder holds it now (fresh, renewed, or taken over from a
-        holder whose expiry passed). ``LeaseRefused`` if a foreign entry stands at its name."""
+        holder whose expiry passed, or from a ``LeaseDefect``, moved to quarantine first)."""
         with directory_fd(self.tree.root, STATE_DIR, create_mode=self.tree.options.dir_mode) as fd:
             if self._raw is not None and self._renew_at(fd):
                 return True
             self._raw = None
             if self._publish(fd):
                 return True
-            current = _read(fd)
+            current = _judge(fd, LEASE_NAME, self._clock())
             if current is None:  # released between our link and our read: try once more
+                return self._publish(fd)
+            if isinstance(current, LeaseDefect):
+                with contextlib.suppress(FileNotFoundError):  # (another engine moved it first)
+                    if quarantine_lease(self.tree, _run_name("evictor"), current) is not None:
+                        log.warning("pykv: %s/%s: %s; moved to quarantine, the lease taken over",
+                                    self.tree.root, LEASE_PATH, current.detail)
                 return self._publish(fd)
             if self._clock() < current.expires_at:
                 return False
@@ -118,7 +163,7 @@ class Lease:
 
     # -- the file ---------------------------------------------------------------------------------
     def _content(self) -> tuple[bytes, float]:
-        expires_at = self._clock() + self.ttl_s
+        expires_at = self._clock() + min(self.ttl_s, MAX_TERM_S)
         data = {"holder": self.holder, "token": secrets.token_hex(8), "expires_at": expires_at,
                 "host": HOST, "pid": os.getpid()}
         return json.dumps(data).encode(), expires_at
@@ -139,8 +184,8 @@ class Lease:
         return True
 
     def _renew_at(self, fd: int) -> bool:
-        current = _read(fd)
-        if current is None or current.raw != self._raw:
+        current = _judge(fd, LEASE_NAME, self._clock())
+        if not isinstance(current, LeaseState) or current.raw != self._raw:
             self._raw = None  # lost: someone took it over (we had stalled past its expiry)
             return False
         if self._clock() > self._expires_at - min(self.ttl_s / 10, RENEW_MARGIN_S):
@@ -159,31 +204,126 @@ def new_holder_id() -> str:
 
 
 def read_lease(tree: KVTree) -> LeaseState | None:
-    """The tree's lease as it stands (None: no lease); ``LeaseRefused`` for a foreign entry there."""
+    """The tree's lease as it stands (None: no lease); ``LeaseRefused`` for a ``LeaseDefect`` there."""
     try:
         with directory_fd(tree.root, STATE_DIR) as fd:
-            return _read(fd)
+            current = _judge(fd, LEASE_NAME, time.time())
     except FileNotFoundError:
         return None
+    if isinstance(current, LeaseDefect):
+        raise LeaseRefused(errno.EEXIST, f"not a lease pykv wrote: {current.detail}", LEASE_PATH)
+    return current
 
 
-def _read(fd: int, name: str = LEASE_NAME) -> LeaseState | None:
-    """The lease at ``name`` in the state dir ``fd``; None if there is none."""
+def check_lease(tree: KVTree, now: float | None = None) -> LeaseDefect | None:
+    """What is wrong with what stands at the tree's lease name (None: nothing, or a sound lease)."""
+    try:
+        with directory_fd(tree.root, STATE_DIR) as fd:
+            current = _judge(fd, LEASE_NAME, time.time() if now is None else now)
+    except OSError:  # no .pykv, or not a directory: the walk reports that
+        return None
+    return current if isinstance(current, LeaseDefect) else None
+
+
+def quarantine_lease(tree: KVTree, run: str, judged: LeaseDefect | None = None) -> Path | None:
+    """Move a ``LeaseDefect`` at the lease's name (``judged``, else judged now) to
+    ``.pykv/quarantine/<run>/.pykv/evict.lease``; returns where, or None if a sound lease
+    stands there (left alone). Never deletes or follows it; ``FileNotFoundError`` if nothing is there.
+
+    The rename moves whatever stands there by then; if it is not the inode judged (a lease
+    published meanwhile), it is linked back, as ``_remove_if`` does."""
+    if judged is None:
+        with directory_fd(tree.root, STATE_DIR) as fd:
+            current = _judge(fd, LEASE_NAME, time.time())
+        if current is None:
+            raise FileNotFoundError(errno.ENOENT, "no lease", LEASE_PATH)
+        if not isinstance(current, LeaseDefect):
+            return None
+        judged = current
+    parent = f"{STATE_DIR}/{QUARANTINE_DIR}/{run}/{STATE_DIR}"
+    rename_beneath(tree.root, LEASE_PATH, f"{parent}/{LEASE_NAME}", dir_mode=tree.options.dir_mode)
+    with directory_fd(tree.root, parent) as moved_fd:
+        st = os.stat(LEASE_NAME, dir_fd=moved_fd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == judged.identity or not stat.S_ISREG(st.st_mode):
+            return tree.root / parent / LEASE_NAME  # (a different non-file is not pykv's either)
+        with directory_fd(tree.root, STATE_DIR) as fd, contextlib.suppress(FileExistsError):
+            os.link(LEASE_NAME, LEASE_NAME, src_dir_fd=moved_fd, dst_dir_fd=fd, follow_symlinks=False)
+        os.unlink(LEASE_NAME, dir_fd=moved_fd)
+    return None
+
+
+def _run_name(who: str) -> str:
+    """A quarantine run of its own (two movers never rename onto one name)."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{who}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _judge(fd: int, name: str, now: float) -> LeaseState | LeaseDefect | None:
+    """The lease at ``name`` in the state dir ``fd`` as of ``now``; None if there is none."""
+    found = _read_raw(fd, name)
+    if not isinstance(found, tuple):
+        return found
+    st, raw = found
+    if st.st_mtime > now + CLOCK_SKEW_S:
+        return _defect(st, LeaseFault.FUTURE_MTIME, f"modified {st.st_mtime - now:.0f} s in the future")
+    return _parse(raw, st, now)
+
+
+def _read_raw(fd: int, name: str) -> tuple[os.stat_result, bytes] | LeaseDefect | None:
+    """The file at ``name`` and its bytes, judged from its ``lstat`` before it is opened (no FIFO is
+    opened, no link followed) and read no further than ``LEASE_LIMIT + 1`` bytes."""
     st = _settled_stat(fd, name)
     if st is None:
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-        raise LeaseRefused(errno.EEXIST, "not a lease pykv wrote (a link, FIFO, directory or hard-linked file); "
-                           "left in place for 'pykv fsck'", f"{STATE_DIR}/{name}")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else \
+            "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+        return _defect(st, LeaseFault.NOT_A_FILE, f"a {kind}, not a lease pykv wrote")
+    if st.st_nlink != 1:
+        return _defect(st, LeaseFault.LINKED, f"a file with {st.st_nlink} hard links, not a lease pykv wrote")
+    if st.st_size > LEASE_LIMIT:
+        return _defect(st, LeaseFault.OVERSIZED, f"{st.st_size} bytes, more than a lease's {LEASE_LIMIT}")
     try:
         with open_regular(name, limit=LEASE_LIMIT, dir_fd=fd) as opened:
             raw = opened.read(LEASE_LIMIT + 1, 0)
-            mtime = opened.stat.st_mtime
+            st = opened.stat
     except FileNotFoundError:
         return None
-    except UnsafePathError as exc:  # replaced by something else, or too large, since the stat
-        raise LeaseRefused(exc.errno, exc.strerror, f"{STATE_DIR}/{name}") from None
-    return _parse(raw, mtime)
+    except UnsafePathError as exc:  # replaced since the stat by something else, or a larger file
+        return _defect(st, LeaseFault.NOT_A_FILE, f"not a lease pykv wrote ({exc.strerror})")
+    except OSError as exc:
+        return _defect(st, LeaseFault.UNREADABLE, f"unreadable ({exc.strerror})")
+    if len(raw) > LEASE_LIMIT:
+        return _defect(st, LeaseFault.OVERSIZED, f"grew beyond a lease's {LEASE_LIMIT} bytes")
+    return st, raw
+
+
+def _parse(raw: bytes, st: os.stat_result, now: float) -> LeaseState | LeaseDefect:
+    """A lease's fields, or the defect of content pykv never writes."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return _defect(st, LeaseFault.UNPARSABLE, "not JSON, not a lease pykv wrote")
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("holder", "token", "host")) \
+            or type(data.get("pid")) is not int or type(data.get("expires_at")) not in (int, float) \
+            or not data["holder"]:
+        return _defect(st, LeaseFault.UNPARSABLE, "not a lease's fields and types (holder, token, expires_at, "
+                                                  "host, pid)")
+    try:
+        expires_at = float(data["expires_at"])
+    except OverflowError:
+        expires_at = math.inf
+    if not math.isfinite(expires_at):
+        return _defect(st, LeaseFault.NON_FINITE, f"expiry {data['expires_at']!r} is not a finite time")
+    if expires_at > now + MAX_TERM_S + CLOCK_SKEW_S:
+        return _defect(st, LeaseFault.FAR_EXPIRY, f"expires in {expires_at - now:.3g} s, beyond the longest term "
+                                                  f"pykv grants ({MAX_TERM_S:.0f} s)")
+    if expires_at < st.st_mtime - MAX_TERM_S - CLOCK_SKEW_S:
+        return _defect(st, LeaseFault.FAR_EXPIRY, f"expired {st.st_mtime - expires_at:.3g} s before it was written")
+    return LeaseState(data["holder"][:200], expires_at, raw)
+
+
+def _defect(st: os.stat_result, fault: LeaseFault, detail: str) -> LeaseDefect:
+    return LeaseDefect(fault, detail, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode))
 
 
 PUBLISH_SETTLE_S = 2.5  # a publisher's temp link lives microseconds; network clients cache attributes ~1 s
@@ -206,22 +346,6 @@ def _settled_stat(fd: int, name: str) -> os.stat_result | None:
         pause = min(pause * 2, 0.2)
 
 
-def _parse(raw: bytes, mtime: float) -> LeaseState:
-    """A lease's fields; content that is not a lease expires ``_UNPARSED_TTL_S`` after its mtime."""
-    try:
-        data = json.loads(raw)
-        holder, expires_at = data["holder"], data["expires_at"]
-        if isinstance(holder, str) and isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool) \
-                and expires_at == expires_at:
-            return LeaseState(holder[:200], float(expires_at), raw)
-    except (ValueError, TypeError, KeyError, RecursionError):
-        pass
-    return LeaseState("", mtime + _UNPARSED_TTL_S, raw)
-
-
-_UNPARSED_TTL_S = 600.0  # a file at the lease's name that is no lease blocks eviction at most this long
-
-
 def _remove_if(fd: int, expected: bytes) -> bool:
     """Remove the lease if it still holds ``expected``: rename it away (one remover wins), read
     what was renamed, delete it if it is ``expected``, else link it back. True if removed."""
@@ -230,11 +354,8 @@ def _remove_if(fd: int, expected: bytes) -> bool:
         os.rename(LEASE_NAME, aside, src_dir_fd=fd, dst_dir_fd=fd)
     except FileNotFoundError:
         return False
-    try:
-        taken = _read(fd, aside)
-    except LeaseRefused:
-        taken = None
-    if taken is not None and taken.raw == expected:
+    taken = _read_raw(fd, aside)
+    if isinstance(taken, tuple) and taken[1] == expected:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside, dir_fd=fd)
         return True
