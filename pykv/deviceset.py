@@ -15,8 +15,11 @@ by the identities, so the order of ``roots`` and the mount paths do not matter.
 A set, of one root or several, is refused (``InputError`` naming ``roots[i]``) when a
 root is missing or not a directory (pykv never creates a root: a device that is not
 mounted is never replaced by an empty directory on another filesystem), when two roots
-are the same tree (the same directory, one inside another, or a copied marker), or when
-a root cannot be a tree. ``check_roots`` is that check, for commands to run first.
+are the same tree (one directory, one inside another, or a copied marker), when a device
+serves in another set (``pykv.membership``), or when a root cannot be a tree.
+``check_roots`` is that check, for commands to run first. Directories are compared as the
+file system knows them (``pykv.io.ancestry``: device and inode, parents by ``..``), never by
+path: a bind mount or a symbolic link hides no overlap.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Iterator, Sequence
 
 import xxhash
 
-from pykv.errors import InputError, NotATreeError
+from pykv.errors import InputError, NotATreeError, RootError
+from pykv.io.ancestry import lineage
+from pykv.membership import SetRecord, check_membership, record_membership
 from pykv.namespace import Namespace
 from pykv.tree import MARKER_NAME, KVTree, TreeOptions, check_tree_root, require_root
 
@@ -61,7 +66,7 @@ class DeviceSet:
             raise InputError(f"{field}: expected at least one directory")
         if len(trees) > MAX_DEVICES:
             raise InputError(f"{field}: {len(trees)} roots; at most {MAX_DEVICES} devices")
-        _refuse_overlaps(trees, field)
+        self._records = _refuse_overlaps(trees, field)
         self.trees = tuple(trees)
         self.seeds = tuple(int(tree.identity, 16) for tree in self.trees)
 
@@ -80,12 +85,14 @@ class DeviceSet:
     @classmethod
     def create(cls, roots: Sequence[Path | str], options: TreeOptions | None = None, *,
                field: str = ROOTS_KEY) -> "DeviceSet":
-        """Open ``roots`` as a set, writing each missing marker: what an engine opens. Every root,
-        one or several, must be an existing directory (``check_roots``): none is ever created."""
+        """Open ``roots`` as a set, writing each missing marker and each device's set record
+        (``record_membership``): what an engine opens. Every root, one or several, must be an
+        existing directory (``check_roots``): none is ever created."""
         check_roots(roots, field=field)
         trees = [KVTree.create(root, options, field=_name(field, index, len(roots)), mkdir=False)
                  for index, root in enumerate(roots)]
         devices = cls(trees, field=field)
+        record_membership(devices.trees, devices._records)
         devices._warn_shared_filesystems(field)
         return devices
 
@@ -152,48 +159,74 @@ def _name(field: str, index: int, count: int) -> str:
     return f"{field}[{index}]" if count > 1 else field
 
 
-def overlapping_roots(roots: Sequence[Path | str]) -> tuple[int, int] | None:
-    """The first pair ``(j, i)``, ``j < i``, of roots that are one directory or one inside the other."""
-    real = [os.path.join(os.path.realpath(root), "") for root in roots]
+def overlapping_roots(roots: Sequence[Path | str], *, field: str = ROOTS_KEY) -> tuple[int, int, int | None] | None:
+    """The first pair ``(j, i, inner)``, ``j < i``, of existing directories that are one directory
+    (``inner`` None) or one inside the other (``inner``: the index of the one inside), by device and
+    inode (``lineage``), whatever paths name them; ``RootError`` naming a root it cannot walk up from."""
+    if len(roots) < 2:
+        return None
+    chains = []
+    for index, root in enumerate(roots):
+        try:
+            chains.append(lineage(root))
+        except OSError as exc:
+            raise RootError(f"{_name(field, index, len(roots))}: cannot walk up from {root} to / "
+                            f"({exc.strerror})") from None
     for i in range(len(roots)):
         for j in range(i):
-            if real[i].startswith(real[j]) or real[j].startswith(real[i]):
-                return j, i
+            if chains[i][0] == chains[j][0]:
+                return j, i, None
+            if chains[j][0] in chains[i] or chains[i][0] in chains[j]:
+                return j, i, i if chains[j][0] in chains[i] else j
     return None
 
 
 def check_roots(roots: Sequence[Path | str], *, field: str = ROOTS_KEY) -> None:
     """What ``DeviceSet.create`` refuses, checked without changing anything (``pykv config``, ``serve``,
     ``warm`` and ``demo`` run it before an engine does): roots that overlap, a root that is not an
-    existing directory (``require_root``), holds other files or has an unusable marker."""
+    existing directory (``require_root``), holds other files or has an unusable marker, two copies of
+    one tree, a device of another set."""
     require_roots(roots, field=field)
     for index, root in enumerate(roots):
         check_tree_root(root, _name(field, index, len(roots)))
+    marked = [index for index, root in enumerate(roots) if os.path.lexists(Path(root) / MARKER_NAME)]
+    _refuse_shared([KVTree.open(roots[index]) for index in marked],
+                   [_name(field, index, len(roots)) for index in marked])
 
 
 def require_roots(roots: Sequence[Path | str], *, field: str = ROOTS_KEY) -> None:
-    """Roots that do not overlap, each an existing directory (``require_root``: never created)."""
-    _refuse_nested(roots, field)
+    """Roots that are each an existing directory (``require_root``: never created) and do not overlap."""
     for index, root in enumerate(roots):
         require_root(root, _name(field, index, len(roots)))
+    _refuse_nested(roots, field)
 
 
 def _refuse_nested(roots: Sequence[Path | str], field: str) -> None:
     """Two roots that are one directory or one inside the other (checked before anything is created)."""
-    pair = overlapping_roots(roots)
+    pair = overlapping_roots(roots, field=field)
     if pair is not None:
-        j, i = pair
-        raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {roots[j]} and {roots[i]} "
-                         f"overlap (one directory, or one inside the other); give each device's tree once")
+        j, i, inner = pair
+        outer = j if inner == i else i
+        how = ("they are one directory (a bind mount, a symbolic link or the same path twice)" if inner is None
+               else f"{roots[inner]} lies inside {roots[outer]}")
+        raise InputError(f"{_name(field, j, 2)} and {_name(field, i, 2)}: {roots[j]} and {roots[i]} overlap: {how}; "
+                         f"give each device's tree once")
 
 
-def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> None:
-    """Two roots that overlap (``_refuse_nested``) or are one tree (a copied marker)."""
+def _refuse_overlaps(trees: Sequence[KVTree], field: str) -> list[SetRecord | None]:
+    """Two roots that overlap (``_refuse_nested``), are one tree (a copied marker) or serve in other
+    sets (``check_membership``); each tree's set record."""
     _refuse_nested([tree.root for tree in trees], field)
+    return _refuse_shared(trees, [_name(field, index, len(trees)) for index in range(len(trees))])
+
+
+def _refuse_shared(trees: Sequence[KVTree], names: Sequence[str]) -> list[SetRecord | None]:
+    """Two trees with one identity (a copied marker) or that never served in one set; each's record."""
     owner: dict[str, int] = {}
     for i, tree in enumerate(trees):
         other = owner.setdefault(tree.identity, i)
         if other != i:
-            raise InputError(f"{_name(field, other, 2)} and {_name(field, i, 2)}: {trees[other].root} and "
+            raise InputError(f"{names[other]} and {names[i]}: {trees[other].root} and "
                              f"{tree.root} are copies of one tree (identity {tree.identity}); give the copy a tree of its "
                              f"own: remove its {MARKER_NAME} and run 'pykv init {tree.root}'")
+    return check_membership(trees, names)

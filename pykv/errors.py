@@ -33,6 +33,15 @@ class RootError(InputError):
     request): a device that did not mount must not become an empty directory on another disk."""
 
 
+class NestedTreeError(RootError):
+    """A directory inside an existing tree (a namespace, shard or state directory): never a root."""
+
+
+class MembershipError(InputError):
+    """Devices that cannot form one set: a marker copied over another device's tree, or a device
+    whose ``.pykv/set.json`` shows it serves in another set (``pykv.membership``)."""
+
+
 class UnsafePathError(PykvError, OSError):
     """A name or file pykv will not act on: not one path component, outside the root, not a
     regular file, or larger than its kind allows. An ``OSError`` too, so callers that already

@@ -34,10 +34,11 @@ from typing import Iterator
 
 import xxhash
 
-from pykv.errors import NotATreeError, NotEmptyRootError, RootError
+from pykv.errors import NestedTreeError, NotATreeError, NotEmptyRootError, RootError
 from pykv.format import FORMAT_VERSION
+from pykv.io.ancestry import holder_of
 from pykv.io.openat2 import enter_directory
-from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath
+from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath, unlink_beneath
 from pykv.namespace import Namespace
 
 MARKER_NAME = "pykv-tree.json"
@@ -45,6 +46,7 @@ STATE_DIR = ".pykv"
 QUARANTINE_DIR = "quarantine"
 NAMESPACE_FILE = "namespace.json"
 GC_STATE_NAME = "gc.json"
+SET_NAME = "set.json"  # in STATE_DIR: the device set the tree serves in (``pykv.membership``)
 LEASE_NAME = "evict.lease"  # in STATE_DIR: who evicts now (``pykv.maintenance.lease``)
 PROBE_NAME = "pykv-direct-probe"  # the O_DIRECT probe's file at the root (``pykv.io.probe``)
 BLOCK_SUFFIX = ".kv"
@@ -130,9 +132,10 @@ class KVTree:
 
         ``mkdir`` (library use and tests) creates a missing directory and its parents; the
         engines (``DeviceSet.create``) and ``pykv init`` pass False: the root must exist
-        (``require_root``). A directory that holds anything but what pykv makes is refused
-        (``NotEmptyRootError``, naming ``field``) unless ``adopt`` (``pykv init``): an
-        engine pointed at the user's files never claims them as a tree.
+        (``require_root``) and lie inside no other tree (``refuse_inside_tree``). A directory
+        that holds anything but what pykv makes is refused (``NotEmptyRootError``, naming
+        ``field``) unless ``adopt`` (``pykv init``): an engine pointed at the user's files never
+        claims them as a tree. A new marker drops a device set record left beside it.
         """
         tree = cls(root, options)
         if mkdir:
@@ -141,6 +144,8 @@ class KVTree:
             require_root(tree.root, field)
         marker = tree.root / MARKER_NAME
         if not os.path.lexists(marker):
+            if not mkdir:
+                refuse_inside_tree(tree.root, field)
             if not adopt:
                 _refuse_if_occupied(tree.root, field)
             from pykv import __version__
@@ -149,7 +154,9 @@ class KVTree:
                                   "tree_id": secrets.token_hex(8)}, indent=2).encode()
             temp = tree.root / temp_name(MARKER_NAME)
             write_small(temp, content, tree.options.file_mode)
-            tree.publish(temp, marker)
+            if tree.publish(temp, marker):
+                with contextlib.suppress(OSError):  # none; a planted .pykv link is fsck's to report
+                    unlink_beneath(tree.root, f"{STATE_DIR}/{SET_NAME}")
         return cls.open(root, options)
 
     @property
@@ -342,7 +349,22 @@ def check_tree_root(root: Path | str, field: str = ROOT_KEY) -> None:
     if os.path.lexists(Path(root) / MARKER_NAME):
         KVTree.open(root)  # NotATreeError for a marker it cannot use
     else:
+        refuse_inside_tree(root, field)
         _refuse_if_occupied(Path(root), field)
+
+
+def refuse_inside_tree(root: Path | str, field: str = ROOT_KEY) -> None:
+    """``NestedTreeError`` if a directory above ``root`` (by ``..``, whatever path or mount named it;
+    for a missing ``root``, its parent too) holds a tree marker: a namespace, shard or state directory
+    is never a root."""
+    exists = os.path.lexists(root)
+    try:
+        tree = holder_of(root if exists else Path(root).absolute().parent, MARKER_NAME, include_self=not exists)
+    except OSError as exc:
+        raise RootError(f"{field}: cannot walk up from {root} ({exc.strerror})") from None
+    if tree is not None:
+        raise NestedTreeError(f"{field}: {root} lies inside the pykv tree {tree} (its namespace, shard or state "
+                              f"directories are never a root); give a directory outside every tree")
 
 
 def create_root(root: Path | str, mode: int = 0o700, field: str = ROOT_KEY) -> bool:
@@ -355,11 +377,14 @@ def create_root(root: Path | str, mode: int = 0o700, field: str = ROOT_KEY) -> b
     if not os.path.isdir(parent):
         raise RootError(f"{field}: the parent of {root} is not an existing directory; pykv init makes one directory, "
                         f"never its parents (a device not mounted? else create {parent} first)")
+    refuse_inside_tree(root, field)
     try:
         os.mkdir(root, mode)
     except FileExistsError:  # made meanwhile
         require_root(root, field)
         return False
+    except OSError as exc:
+        raise RootError(f"{field}: cannot create {root} ({exc.strerror})") from None
     return True
 
 

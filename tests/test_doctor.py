@@ -102,6 +102,18 @@ def test_a_directory_of_other_files_is_refused_untouched(tmp_path):
     assert listing(data) == before
 
 
+def test_an_empty_directory_inside_a_tree_is_refused_untouched(tmp_path):
+    """A namespace's new directory or an empty quarantine is no place to probe (issue 36)."""
+    tree = make_tree(tmp_path)
+    (tree.state_dir / "quarantine").mkdir(parents=True)
+    before = listing(tree.root)
+    for inside in (tree.state_dir / "quarantine", tree.state_dir):
+        result = run(inside)
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.output
+        assert f"lies inside the pykv tree {tree.root}" in result.stderr
+    assert listing(tree.root) == before
+
+
 def test_missing_path_and_file_are_refused(tmp_path):
     assert run(tmp_path / "nope").exit_code == 2
     (tmp_path / "file").write_text("x")

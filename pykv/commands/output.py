@@ -167,7 +167,7 @@ def open_roots(roots: list[Path]) -> DeviceSet:
     unchanged); several are refused, naming ``ROOT[i]``, when one is missing, not a tree, or
     overlaps another (``DeviceSet.open``)."""
     if len(roots) == 1:
-        return DeviceSet([KVTree.open(roots[0])])
+        return DeviceSet([KVTree.open(roots[0])], field="ROOT")
     return DeviceSet.open(roots, field="ROOT")
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pykv.errors import InputError, NotATreeError
+from pykv.errors import InputError, MembershipError, NotATreeError
 from pykv.format import FORMAT_VERSION
 from pykv.io.backend import IoRequest, OpKind
 from pykv.io.memory import ALIGNMENT, aligned_buffer, buffer_address
@@ -37,7 +37,8 @@ from pykv.io.probe import direct_io_supported
 from pykv.io.safe_paths import read_small
 from pykv.io.uring import UringBackend, uring_available
 from pykv.media.posix import READ_FLAGS, WRITE_FLAGS
-from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, foreign_entries, temp_name
+from pykv.membership import check_membership
+from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, foreign_entries, refuse_inside_tree, temp_name
 
 SEED_ENV = "PYTHONHASHSEED"
 CLOCK_SKEW_WARN_S = 30.0  # beyond this, --min-age and gc's recency are measured against a clock that is off
@@ -128,6 +129,7 @@ def _check_tree(root: Path) -> Diagnosis:
     if not root.is_dir():
         raise NotATreeError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
     if not os.path.lexists(root / MARKER_NAME):
+        refuse_inside_tree(root, "ROOT")  # a namespace, shard or .pykv of a tree is never probed as a root
         occupied = foreign_entries(root)
         if occupied:
             raise ProbeRefused(f"{root} is not a pykv tree and not empty ({len(occupied)} entries, e.g. "
@@ -137,8 +139,9 @@ def _check_tree(root: Path) -> Diagnosis:
                                                "`pykv init` makes it one")
     try:
         tree = KVTree.open(root)
+        check_membership([tree], ["ROOT"])  # a marker copied over this tree from another device
         made_by = json.loads(read_small(root / MARKER_NAME)).get("created_by")
-    except (NotATreeError, OSError, ValueError) as exc:
+    except (NotATreeError, MembershipError, OSError, ValueError) as exc:
         return Diagnosis("tree", Verdict.FAIL, str(exc))
     made = f", created by {made_by}" if isinstance(made_by, str) else ""
     return Diagnosis("tree", Verdict.OK, f"pykv tree {tree.identity}, format version {FORMAT_VERSION}{made}")

@@ -1,0 +1,107 @@
+"""Roots compared as the file system knows them (``pykv.io.ancestry``): a bind mount, a symbolic link
+or the same path twice never lets one directory join a set twice, or one root hide inside another,
+for an engine (``DeviceSet.create``) or any command (issue 36)."""
+
+from __future__ import annotations
+
+import pytest
+from mounts import bind  # noqa: F401  (fixture)
+from test_cli_devices import ENGINE_COMMANDS, command_args
+from treefactory import NS, add_block, key
+from typer.testing import CliRunner
+
+from pykv.commands.app import app
+from pykv.deviceset import DeviceSet
+from pykv.errors import InputError
+from pykv.io.ancestry import holder_of, lineage
+from pykv.tree import MARKER_NAME, STATE_DIR, KVTree
+
+FIELD = "kv_connector_extra_config.roots"
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_refusal(result, *words):
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr.startswith("pykv: error: ") and result.stderr.count("\n") == 1, result.stderr
+    for word in words:
+        assert str(word) in result.stderr, result.stderr
+    return result.stderr
+
+
+def refused(roots, *words):
+    with pytest.raises(InputError) as caught:
+        DeviceSet.create(roots)
+    assert "\n" not in str(caught.value)
+    for word in words:
+        assert str(word) in str(caught.value), caught.value
+    return str(caught.value)
+
+
+def test_lineage_follows_the_real_parents(tmp_path, bind):
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    mount = bind(tmp_path / "a", tmp_path / "m")
+    assert lineage(mount)[0] == lineage(tmp_path / "a")[0]
+    assert lineage(tmp_path / "a")[0] in lineage(mount / "sub")
+    assert lineage("/")[-1] == lineage("/")[0] and len(lineage("/")) == 1
+    assert holder_of(mount / "sub", "sub", include_self=False) is not None
+    assert holder_of(tmp_path / "a", "nothing-here", include_self=True) is None
+
+
+def test_a_bind_mount_of_a_root_is_the_same_directory(tmp_path, bind):
+    a = tmp_path / "a"
+    a.mkdir()
+    mount = bind(a, tmp_path / "m")
+    refused([a, mount], f"{FIELD}[0] and {FIELD}[1]", "one directory", "overlap")
+    assert list(a.iterdir()) == []  # refused before any marker was written
+    for command in (["config", "--root", a, "--root", mount], ["serve", "m", "--dry-run", "--root", a, "--root", mount]):
+        one_line_refusal(run(*command), "--root[0] and --root[1]", "one directory")
+
+
+def test_a_root_inside_another_through_a_bind_mount_is_refused(tmp_path, bind):
+    """``pykv fsck A M/sub --repair``, M a bind mount of A: the second tree is never quarantined."""
+    a = KVTree.create(tmp_path / "a")
+    add_block(a, key(0))
+    inner = KVTree.create(a.root / "sub")  # made by hand (library): a tree inside the first
+    add_block(inner, key(1))
+    mount = bind(a.root, tmp_path / "m")
+    refused([a.root, mount / "sub"], "overlap", f"{mount / 'sub'} lies inside {a.root}")
+    refused([mount / "sub", a.root], "overlap", f"{mount / 'sub'} lies inside {a.root}")
+    for command in (["fsck", "--repair"], ["gc", "--max-size", "0"], ["inspect"]):
+        one_line_refusal(run(*command, a.root, mount / "sub"), "ROOT[0] and ROOT[1]", "lies inside")
+    assert (a.root / "sub" / MARKER_NAME).is_file() and inner.contains(NS.id, key(1)) and a.contains(NS.id, key(0))
+    assert not (a.root / STATE_DIR).exists()  # nothing moved to a quarantine
+
+
+def test_a_symbolic_link_to_a_root_is_the_same_directory(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (tmp_path / "link").symlink_to(a)
+    refused([a, tmp_path / "link"], "one directory")
+    (a / "sub").mkdir()
+    (tmp_path / "deep").symlink_to(a / "sub")
+    refused([tmp_path / "deep", a], f"{tmp_path / 'deep'} lies inside {a}")
+    assert sorted(p.name for p in a.iterdir()) == ["sub"]
+
+
+def test_the_same_root_twice_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    refused([a, b, tmp_path / "b" / ".." / "a"], f"{FIELD}[0] and {FIELD}[2]", "one directory")
+    DeviceSet.create([a, b])
+    one_line_refusal(run("fsck", a, b, a), "ROOT[0] and ROOT[2]", "one directory")
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_every_engine_command_refuses_a_bind_mount_alias_and_nesting(tmp_path, bind, command):
+    a = tmp_path / "a"
+    (a / "sub").mkdir(parents=True)
+    mount = bind(a, tmp_path / "m")
+    args = command_args(command, tmp_path)
+    one_line_refusal(run(*args, "--root", a, "--root", mount), "--root[0] and --root[1]", "one directory")
+    one_line_refusal(run(*args, "--root", mount / "sub", "--root", a), "--root[0] and --root[1]",
+                     f"{mount / 'sub'} lies inside {a}")
+    assert sorted(p.name for p in a.iterdir()) == ["sub"] and list((a / "sub").iterdir()) == []
