@@ -48,6 +48,7 @@ NAMESPACE_FILE = "namespace.json"
 GC_STATE_NAME = "gc.json"
 SET_NAME = "set.json"  # in STATE_DIR: the device set the tree serves in (``pykv.membership``)
 LEASE_NAME = "evict.lease"  # in STATE_DIR: who evicts now (``pykv.maintenance.lease``)
+EVICT_RECORD_NAME = "evict.json"  # in STATE_DIR: the last eviction round (``pykv.maintenance.evict_record``)
 PROBE_NAME = "pykv-direct-probe"  # the O_DIRECT probe's file at the root (``pykv.io.probe``)
 BLOCK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp."

@@ -5,13 +5,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from treefactory import HOUR, add_block, key, make_tree, set_mtime
+from treefactory import HOUR, add_block, key, make_tree, record_eviction, set_mtime
 from typer.testing import CliRunner
 
 from pykv.commands.app import app
@@ -19,10 +20,10 @@ from pykv.io.mounts import mount_of, parse_mountinfo
 from pykv.io.uring import uring_available
 from pykv.maintenance.doctor import ProbeRefused, Verdict, diagnose
 from pykv.maintenance.fsck import Problem, fsck
-from pykv.tree import MARKER_NAME, PROBE_NAME, temp_name
+from pykv.tree import EVICT_RECORD_NAME, MARKER_NAME, PROBE_NAME, temp_name
 
-ITEMS = ["tree", "mount", "space", "publish", "rename", "dir_fsync", "atime", "clock", "o_direct", "io_uring",
-         "hash_seed", "other_clients"]
+ITEMS = ["tree", "mount", "space", "eviction", "publish", "rename", "dir_fsync", "atime", "clock", "o_direct",
+         "io_uring", "hash_seed", "other_clients"]
 SEEDED = {"PYTHONHASHSEED": "0"}
 
 
@@ -259,3 +260,26 @@ def test_nfs_without_close_to_open_consistency_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(doctor, "mount_of", lambda root: juicefs)
     mount = diagnose(tree.root, environ=SEEDED).of("mount")
     assert mount.verdict is Verdict.OK and mount.detail.endswith("shared between nodes")
+
+
+def test_eviction_healthy_never_behind_stuck_and_unreadable(tmp_path):
+    tree = make_tree(tmp_path)
+    never = run(tree.root, env=SEEDED)
+    assert never.exit_code == 0 and "ok    eviction       never (no engine with max_tree_bytes" in never.output
+    record_eviction(tree)
+    healthy = run(tree.root, env=SEEDED)
+    assert re.search(r"ok    eviction       last round [5-7]s ago by vm, last success [5-7]s ago, 3.0 MiB of 4.0 MiB\n",
+                     healthy.output)
+    record_eviction(tree, behind=True, tree_bytes=5 << 20)
+    behind = run(tree.root, env=SEEDED)
+    assert behind.exit_code == 0 and "warn  eviction       STUCK (behind: " in behind.output
+    record_eviction(tree, at=time.time() - 2, ok_at=time.time() - 2 * HOUR, error="[Errno 28] No space left on device")
+    stuck = run(tree.root, "--json", env=SEEDED)
+    [check] = [c for c in json.loads(stuck.stdout)["checks"] if c["item"] == "eviction"]
+    assert check["verdict"] == "warn" and check["detail"].startswith("STUCK (no successful round for over 600 s)")
+    assert check["detail"].endswith("last error: [Errno 28] No space left on device")
+    (tree.state_dir / EVICT_RECORD_NAME).unlink()
+    os.mkfifo(tree.state_dir / EVICT_RECORD_NAME)  # never opened: doctor would hang
+    bad = run(tree.root, env=SEEDED)
+    assert bad.exit_code == 0
+    assert "warn  eviction       unreadable eviction record (a FIFO, not a record pykv wrote)" in bad.output

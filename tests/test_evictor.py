@@ -16,6 +16,7 @@ from pykv.counters import Metric
 from pykv.deviceset import DeviceSet
 from pykv.failures import Step
 from pykv.io.probe import open_backend
+from pykv.maintenance.evict_record import EvictionState, EvictRecord, eviction_status, read_record
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.maintenance.gc import last_gc
 from pykv.maintenance.lease import Lease
@@ -245,3 +246,40 @@ class _Drop:
     def deliver(self, blocks) -> None:
         for b in blocks:
             self.reactor.consumed(b.transfer)
+
+
+def test_each_round_records_its_outcome_and_a_failed_one_keeps_the_last_success(tmp_path, monkeypatch):
+    tree = make_tree(tmp_path)
+    fill(tree, 14)
+    ev = evictor(tree)
+    [result] = ev.run_once()
+    ok = read_record(tree)
+    assert isinstance(ok, EvictRecord) and ok.error is None and ok.ok_at == ok.at
+    assert (ok.behind, ok.tree_bytes, ok.limit, ok.interval_s) == (False, result.after_bytes, LIMIT, 3600.0)
+    assert ok.holder == ev.leases[0].holder
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error\nsecond line")
+
+    monkeypatch.setattr("pykv.maintenance.evictor.scan_tree", broken)
+    assert ev.run_once() == [None]
+    failed = read_record(tree)
+    assert failed.error == "[Errno 5] Input/output error second line" and failed.at >= ok.at
+    assert (failed.ok_at, failed.tree_bytes, failed.behind) == (ok.ok_at, ok.tree_bytes, False)
+    assert eviction_status(tree).state is EvictionState.OK  # one failure, within the threshold
+
+
+def test_a_round_that_leaves_the_device_over_its_limit_records_it_behind(tmp_path):
+    tree = make_tree(tmp_path)
+    fill(tree, 14, published_ago=60)  # all younger than evict_min_age: nothing can go
+    [result] = evictor(tree).run_once()
+    record = read_record(tree)
+    assert record.behind and record.tree_bytes == result.after_bytes == 14 * BLOCK_SIZE
+    assert eviction_status(tree).state is EvictionState.STUCK
+
+
+def test_a_round_skipped_for_another_engines_lease_records_nothing(tmp_path):
+    tree = make_tree(tmp_path)
+    fill(tree, 14)
+    assert Lease(tree, "other", ttl_s=60).acquire()
+    assert evictor(tree).run_once() == [None] and read_record(tree) is None

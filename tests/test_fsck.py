@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
@@ -9,6 +10,7 @@ from hostile_leases import HOSTILE, check_outside_intact, plant, quarantined
 from treefactory import HOUR, NS, OTHER_NS, add_block, key, make_tree, set_mtime
 
 from pykv.format import HEADER_SIZE
+from pykv.maintenance.evict_record import EvictRecord, read_record, record_round
 from pykv.maintenance.fsck import Problem, fsck, repair
 from pykv.maintenance.lease import Lease, read_lease
 from pykv.maintenance.scan import Kind, Scan
@@ -192,3 +194,31 @@ def test_repair_leaves_a_sound_lease_taken_since_the_check(tmp_path):
     report = fsck(tree)
     assert Lease(tree, "engine", ttl_s=30).acquire()  # an evictor took over (and quarantined it) meanwhile
     assert repair(tree, report).clean and read_lease(tree).holder == "engine" and len(quarantined(tree)) == 1
+
+
+def test_a_sound_eviction_record_is_pykvs_and_a_bad_one_is_foreign_and_moved(tmp_path):
+    tree = make_tree(tmp_path)
+    now = time.time()
+    record_round(tree, EvictRecord(now, now, False, 0, 1 << 20, 10.0, None, "engine"))
+    assert fsck(tree).clean  # known: not foreign
+    record = tree.state_dir / "evict.json"
+    record.unlink()
+    record.write_bytes(b'{"at": NaN, "junk": 1}')
+    report = fsck(tree)
+    [finding] = report.findings
+    assert (finding.path, finding.problem) == (".pykv/evict.json", Problem.FOREIGN)
+    assert finding.detail == "not a record's fields and types"
+    repaired = repair(tree, report)
+    assert [f.path for f in repaired.moved] == [".pykv/evict.json"] and not record.exists()
+    assert [p.name for p in (tree.state_dir / "quarantine").glob("*/.pykv/*")] == ["evict.json"] and fsck(tree).clean
+
+
+def test_repair_leaves_a_sound_record_written_since_the_check(tmp_path):
+    tree = make_tree(tmp_path)
+    tree.ensure_state_dir()
+    os.mkfifo(tree.state_dir / "evict.json")
+    report = fsck(tree)
+    assert [f.detail for f in report.findings] == ["a FIFO, not a record pykv wrote"]
+    record_round(tree, EvictRecord(time.time(), None, False, 0, 1 << 20, 10.0, "boom", "engine"))  # renamed over it
+    assert repair(tree, report).clean and read_record(tree).error == "boom"
+    assert not list((tree.state_dir / "quarantine").glob("*/.pykv/*"))

@@ -89,3 +89,23 @@ def test_a_planted_link_at_the_quarantine_is_refused(tmp_path):
     with pytest.raises(OSError) as raised:
         quarantine_usage(tree)
     assert raised.value.errno in (errno.ELOOP, errno.EXDEV)
+
+
+def test_a_failing_device_keeps_its_last_rounds_age_growing_and_its_record_says_why(tmp_path, monkeypatch):
+    from pykv.deviceset import DeviceSet
+    from pykv.maintenance.evict_record import read_record
+    from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
+    tree = make_tree(tmp_path)
+    add_block(tree, key(0))
+    ev = TreeEvictor(DeviceSet([tree]), EvictionPolicy(10 * BLOCK_SIZE, 600.0, 3600.0))
+    ev.run_once()
+    [ended] = [s.value for s in ev.gauges.samples() if s.gauge is Gauge.EVICT_ROUND_AGE]
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("pykv.maintenance.evictor.scan_tree", broken)
+    ev.run_once()
+    [age] = [s.value for s in ev.gauges.samples() if s.gauge is Gauge.EVICT_ROUND_AGE]
+    assert age >= ended  # not reset by a failed round: evict_round_age_seconds keeps growing while it fails
+    assert read_record(tree).error == "[Errno 5] Input/output error"

@@ -3,10 +3,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
+import time
 
 import pytest
-from treefactory import BLOCK_SIZE, HOUR, NS, OTHER_NS, add_block, key, make_tree
+from treefactory import BLOCK_SIZE, HOUR, NS, OTHER_NS, add_block, key, make_tree, record_eviction
 from typer.testing import CliRunner
 
 from pykv.commands.app import app
@@ -17,6 +19,7 @@ from pykv.maintenance.gc import run_gc
 from pykv.maintenance.inspect import AGE_BUCKETS, age_bucket, inspect_tree, summarize
 from pykv.maintenance.quarantine import QuarantineUsage, quarantine_usage
 from pykv.maintenance.scan import Entry, Kind
+from pykv.tree import EVICT_RECORD_NAME
 
 NOW = 10**18
 S = 10**9
@@ -209,3 +212,36 @@ def test_fsck_says_what_the_quarantine_holds_after_a_repair(tmp_path):
     assert f"quarantine: 1 file (4.0 KiB) in {tree.root}/.pykv/quarantine; kept until deleted by hand" in shown.stdout
     data = json.loads(invoke("fsck", tree.root, "--json").stdout)
     assert data["quarantined"] == {"files": 1, "bytes": 4096, "complete": True, "unreadable": 0}
+
+
+def test_inspect_shows_eviction_never_healthy_behind_stuck_and_unreadable(tmp_path):
+    tree = make_tree(tmp_path)
+    assert "eviction: never (no engine with max_tree_bytes has run a round here)" in invoke("inspect", tree.root).output
+    record_eviction(tree)
+    healthy = invoke("inspect", tree.root)
+    assert re.search(r"eviction: last round [5-7]s ago by vm, last success [5-7]s ago, 3.0 MiB of 4.0 MiB\n",
+                     healthy.output)
+    record_eviction(tree, behind=True, tree_bytes=5 << 20)
+    assert "eviction: STUCK (behind: the last successful round left the device over its limit): " \
+           in invoke("inspect", tree.root).output
+    record_eviction(tree, at=time.time() - 1, ok_at=time.time() - 3 * 3600, error="[Errno 5] I/O error\x1b[2J")
+    stuck = invoke("inspect", tree.root)
+    assert "eviction: STUCK (no successful round for over 600 s): " in stuck.output
+    assert "last success 3h ago" in stuck.output and "last error: [Errno 5] I/O error\\x1b[2J" in stuck.output
+    [status] = json.loads(invoke("inspect", "--json", tree.root).stdout)["eviction"]
+    assert (status["state"], status["stuck"], status["behind"]) == ("stuck", True, False)
+    assert status["last_error"].startswith("[Errno 5] I/O error")
+    assert status["last_success_age_s"] == pytest.approx(3 * 3600, abs=60) and status["threshold_s"] == 600.0
+    (tree.state_dir / EVICT_RECORD_NAME).write_bytes(b'{"at": NaN}')
+    bad = invoke("inspect", tree.root)
+    assert bad.exit_code == 0 and "eviction: unreadable eviction record (not a record's fields and types)" in bad.output
+
+
+def test_inspect_of_a_device_set_gives_each_devices_eviction(tmp_path):
+    a, b = make_tree(tmp_path / "a"), make_tree(tmp_path / "b")
+    record_eviction(b, behind=True)
+    result = invoke("inspect", a.root, b.root)
+    assert f"eviction device 0 ({a.root}): never" in result.output
+    assert f"eviction device 1 ({b.root}): STUCK (behind" in result.output
+    data = json.loads(invoke("inspect", "--json", a.root, b.root).stdout)
+    assert [d["eviction"]["state"] for d in data["devices"]] == ["never", "stuck"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from pykv.auth import KeyRing
 from pykv.blockfile import write_block
 from pykv.format import Geometry
+from pykv.maintenance.evict_record import EvictRecord, record_round
 from pykv.namespace import Namespace
 from pykv.tree import KVTree
 
@@ -53,3 +54,11 @@ def age_dirs(tree: KVTree, seconds: float = 60) -> None:
 def set_mtime(path: Path, ago: float) -> None:
     then = time.time_ns() - int(ago * 1e9)
     os.utime(path, ns=(then, then), follow_symlinks=False)
+
+
+def record_eviction(tree: KVTree, **changes) -> None:
+    """An eviction record (``.pykv/evict.json``) of a healthy round 5 s ago on a 4 MiB limit, with ``changes``."""
+    now = time.time()
+    fields = dict(at=now - 5, ok_at=now - 5, behind=False, tree_bytes=3 << 20, limit=4 << 20, interval_s=10.0,
+                  holder="vm.1.ab", host="vm")
+    record_round(tree, EvictRecord(**{**fields, **changes}))

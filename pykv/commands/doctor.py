@@ -13,7 +13,8 @@ from pykv.maintenance.doctor import diagnose
 
 def doctor_command(root: RootArgument, as_json: JsonFlag = False) -> None:
     """Probe a tree's mount (or an empty directory): publication by hard link, O_DIRECT, io_uring,
-    atime, free space, the tree marker, the hash seed. Exit 1 when an item fails."""
+    atime, free space, the tree marker, the hash seed, and the engines' eviction as last recorded
+    (warns when STUCK or the record is unreadable). Exit 1 when an item fails."""
     report = diagnose(root)
     emit(report.as_dict(), as_json=as_json, render=_render)
     if report.failed:

@@ -11,9 +11,10 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, open_roots, plural, size, table
+from pykv.commands.output import JsonFlag, NoCatalogFlag, emit, line, open_roots, plural, size, table, visible
 from pykv.errors import InputError
 from pykv.maintenance import inspect_devices
+from pykv.maintenance.evict_record import status_line
 
 
 def inspect_command(
@@ -24,10 +25,14 @@ def inspect_command(
     as_json: JsonFlag = False,
     no_catalog: NoCatalogFlag = False,
 ) -> None:
-    """Show namespaces with file counts, bytes, age histogram, temp files, the quarantine and the last gc.
+    """Show namespaces with file counts, bytes, age histogram, temp files, the quarantine, the last gc and eviction.
 
     The quarantine (.pykv/quarantine: what fsck --repair and the engines moved aside) is counted
     apart from the namespaces, per device for a set; links in it are never followed.
+
+    Eviction (per device, from .pykv/evict.json, which each engine's eviction round writes): the
+    last round's and the last success's age, behind or not, the last error; STUCK when the device
+    is behind or no round succeeded for 10 evict_intervals (at least 600 s).
 
     Several ROOTs are one device set: the namespaces and ages over all of them, and a table of
     each device's blocks, bytes and share, with the blocks it holds that the set's placement puts
@@ -68,6 +73,10 @@ def _render(out: Console, data: dict[str, Any]) -> None:
                   f"target {'reached' if gc.get('target_reached') else 'NOT reached'}")
     else:
         out.print("last gc: never")
+    roots = data["roots"] if "roots" in data else [data["root"]]
+    for index, (root, eviction) in enumerate(zip(roots, data["eviction"])):
+        where = f" device {index} ({root})" if len(roots) > 1 else ""
+        line(out, visible(f"eviction{where}: {status_line(eviction)}"))
     out.print(f"scanned in {data['seconds']:.2f}s ({data['dirs_listed']} dirs listed, "
               f"{data['dirs_cached']} from catalog)")
 

@@ -36,6 +36,7 @@ from pykv.io.openat2 import RESOLVE_NO_SYMLINKS
 from pykv.io.probe import direct_io_supported
 from pykv.io.safe_paths import read_small
 from pykv.io.uring import UringBackend, uring_available
+from pykv.maintenance.evict_record import eviction_status
 from pykv.media.posix import READ_FLAGS, WRITE_FLAGS
 from pykv.membership import check_membership
 from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, foreign_entries, refuse_inside_tree, temp_name
@@ -109,6 +110,9 @@ def diagnose(root: Path | str, *, environ: Mapping[str, str] | None = None) -> D
     mount = mount_of(root)
     read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
     diagnoses = [tree_check, _check_mount(mount, read_only), _check_space(root)]
+    if tree_check.verdict is Verdict.OK:  # what the engines' eviction last recorded here
+        status = eviction_status(KVTree.open(root))
+        diagnoses.append(Diagnosis("eviction", Verdict.WARN if status.flagged else Verdict.OK, status.line()))
     with _ProbeDir(root) as probe:
         if read_only:
             diagnoses += [_skip(item, "read-only mount: the probe writes files") for item, _ in _WRITE_CHECKS]

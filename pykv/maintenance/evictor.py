@@ -21,6 +21,10 @@ scheduler then stores nothing (counted, as on a full disk) until a round brings 
 device under the limit again. Nothing here ever fails a store or a load: a deleted
 block is a miss for its reader, and a failed round is logged and tried again.
 
+Every round this engine runs (successful or failed; not one skipped for another engine's lease)
+is recorded in the device's ``.pykv/evict.json`` (``pykv.maintenance.evict_record``), which
+``pykv inspect`` and ``pykv doctor`` read; a failure to record is logged, never raised.
+
 Each completed round also feeds the engine's gauges (``gauges``, a ``DeviceGauges``):
 what it left on the device, and the device's quarantine, counted right after it (at most
 once a minute per device: a walk of ``.pykv/quarantine``, which changes rarely).
@@ -39,6 +43,7 @@ from pykv.config import PykvConfig
 from pykv.counters import Metric
 from pykv.deviceset import DeviceSet
 from pykv.maintenance.catalog import scan_tree
+from pykv.maintenance.evict_record import EvictRecord, one_line, read_record, record_round
 from pykv.maintenance.gauges import DeviceGauges
 from pykv.maintenance.gc import collect_scanned
 from pykv.maintenance.lease import Lease
@@ -192,6 +197,7 @@ class TreeEvictor:
                 log.log(logging.DEBUG if message == self._last_error else logging.WARNING, message)
                 self._last_error = message  # (the same failure again is not warned about every round)
                 self._count(Metric.EVICT_ERRORS)
+                self._record(tree, lease, None, exc)
                 results.append(None)
                 continue
             if result is None:
@@ -201,6 +207,7 @@ class TreeEvictor:
                 self._round_seconds[index] = result.seconds
                 self._round_done(result)
                 self._gauge(index, tree, result)
+                self._record(tree, lease, result, None)
             results.append(result)
         if any(r is None for r in results):
             with self._lock:
@@ -226,6 +233,23 @@ class TreeEvictor:
         else:
             log.debug("pykv: eviction check on %s: %s within %s", result.root, format_size(result.before_bytes),
                       format_size(self.policy.limit))
+
+    def _record(self, tree: KVTree, lease: Lease, result: RoundResult | None, error: BaseException | None) -> None:
+        """Publish the round's ``evict.json``: a failed one keeps the last success the file holds."""
+        now, policy = time.time(), self.policy
+        try:
+            if result is not None:
+                record = EvictRecord(now, now, not result.within(policy.limit), result.after_bytes, policy.limit,
+                                     policy.interval_s, None, lease.holder)
+            else:
+                last = read_record(tree, now)
+                last = last if isinstance(last, EvictRecord) else None
+                record = EvictRecord(now, last.ok_at if last else None, last.behind if last else False,
+                                     last.tree_bytes if last else 0, policy.limit, policy.interval_s,
+                                     one_line(error or "failed"), lease.holder)
+            record_round(tree, record)
+        except OSError as exc:
+            log.debug("pykv: cannot record the eviction round in %s: %s", tree.root, exc)
 
     def _gauge(self, index: int, tree: KVTree, result: RoundResult) -> None:
         """Record the round and, when due (``QUARANTINE_EVERY_S``), count the device's quarantine (NaN where

@@ -25,8 +25,9 @@ writes one: leaf dirs, namespace dirs, the root, ``.pykv``) with no other hard l
 is deleted; a temp's name on anything else (a directory, a FIFO, a file linked from
 elsewhere) is moved like foreign content. What stands at the eviction lease's name is
 judged in full (``pykv.maintenance.lease.check_lease``: type, links, size, fields, expiry,
-mtime): anything pykv did not write there is ``foreign``, and moved unless a sound lease
-replaced it meanwhile. The quarantine stays until someone deletes it: every
+mtime), and so is the eviction record (``pykv.maintenance.evict_record.check_record``):
+anything pykv did not write there is ``foreign``, and moved unless a sound one replaced it
+meanwhile. The quarantine stays until someone deletes it: every
 report counts what all of it holds after the run (``quarantined``, ``pykv.maintenance.quarantine``).
 
 Young temps (within the grace period) may belong to a writer at work and are not
@@ -63,6 +64,7 @@ from pykv.blockfile import check_block, read_header
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
 from pykv.format import OversizedError, TruncatedError
+from pykv.maintenance.evict_record import RECORD_PATH, check_record, quarantine_record
 from pykv.maintenance.lease import LEASE_PATH, check_lease, quarantine_lease
 from pykv.maintenance.placement import reachable as is_reachable
 from pykv.maintenance.quarantine import QuarantineUsage, counted
@@ -252,9 +254,10 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
             problem, detail = found
             report.findings.append(Finding(relative(tree, entry.path), problem, detail,
                                            entry.is_dir, entry.is_symlink))
-    if (lease := check_lease(tree)) is not None:  # judged in full, not by its type alone as the walk does
-        report.findings = [f for f in report.findings if f.path != lease.path] + [
-            Finding(lease.path, Problem.FOREIGN, lease.detail, lease.is_dir, lease.is_symlink)]
+    for state in (check_lease(tree), check_record(tree)):  # judged in full, not by type alone as the walk does
+        if state is not None:
+            report.findings = [f for f in report.findings if f.path != state.path] + [
+                Finding(state.path, Problem.FOREIGN, state.detail, state.is_dir, state.is_symlink)]
     report.findings.sort(key=lambda f: f.path)
     report.quarantined = counted(tree)
     return report
@@ -280,9 +283,10 @@ def repair(tree: KVTree, report: FsckReport, keys: KeyRing | None = None) -> Fsc
                         and check_block_file(tree, path, keys) is None:
                     report.repaired.append(finding)
                     continue
-                if finding.path != LEASE_PATH:
+                mover = _STATE_MOVERS.get(finding.path)
+                if mover is None:
                     tree.quarantine(path, run)
-                elif quarantine_lease(tree, run) is None:  # a sound lease stands there by now: left
+                elif mover(tree, run) is None:  # a sound lease or record stands there by now: left
                     report.repaired.append(finding)
                     continue
                 report.moved.append(finding)
@@ -294,6 +298,10 @@ def repair(tree: KVTree, report: FsckReport, keys: KeyRing | None = None) -> Fsc
         report.repaired.append(finding)
     report.quarantined = counted(tree)
     return report
+
+
+#: State files pykv owns, moved by their own identity-checked mover (a sound one published meanwhile is kept).
+_STATE_MOVERS = {LEASE_PATH: quarantine_lease, RECORD_PATH: quarantine_record}
 
 
 def _own_temp(tree: KVTree, relative: str) -> bool:

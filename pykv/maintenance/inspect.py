@@ -1,4 +1,5 @@
-"""A summary of what a tree holds: per namespace, files, bytes, ages, temps; the quarantine; the last gc.
+"""A summary of what a tree holds: per namespace, files, bytes, ages, temps; the quarantine; the last gc;
+the engines' eviction (``pykv.maintenance.evict_record``: last round, last success, behind, STUCK).
 
 Ages are measured from a block's mtime, its publication time (exact even from a
 cached scan); recency of access is gc's concern and is read fresh there.
@@ -21,6 +22,7 @@ from typing import Any, Iterable, Sequence
 from pykv.deviceset import DeviceSet
 from pykv.io.safe_paths import read_small
 from pykv.maintenance.catalog import scan_tree
+from pykv.maintenance.evict_record import eviction_status
 from pykv.maintenance.gc import last_gc
 from pykv.maintenance.placement import DeviceShare, device_shares
 from pykv.maintenance.quarantine import QuarantineUsage, combined, counted
@@ -74,6 +76,7 @@ class TreeSummary:
     dirs_cached: int = 0
     seconds: float = 0.0
     quarantine: QuarantineUsage = QuarantineUsage(0, 0)  # not in the counts above
+    eviction: list[dict[str, Any]] = field(default_factory=list)  # per device: ``EvictionStatus.as_dict``
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,8 +171,9 @@ class DeviceSetSummary:
         device's share, its unreachable blocks and its last gc)."""
         data = self.summary.as_dict()
         del data["root"]
-        devices = [{**share.as_dict(), "last_gc": gc, "quarantine": quarantine.as_dict()}
-                   for share, gc, quarantine in zip(self.devices, self.last_gcs, self.quarantines)]
+        devices = [{**share.as_dict(), "last_gc": gc, "quarantine": quarantine.as_dict(), "eviction": eviction}
+                   for share, gc, quarantine, eviction
+                   in zip(self.devices, self.last_gcs, self.quarantines, self.summary.eviction)]
         return {"roots": [share.root for share in self.devices], **data, "devices": devices,
                 "unreachable_blocks": sum(share.unreachable_blocks for share in self.devices),
                 "unreachable_bytes": sum(share.unreachable_bytes for share in self.devices)}
@@ -199,5 +203,7 @@ def _inspect(trees: Sequence[KVTree], *, use_catalog: bool
     summary.dirs_cached = sum(scan.dirs_cached for scan in scans)
     quarantines = [counted(tree) for tree in trees]
     summary.quarantine = combined(quarantines)
+    now = time.time()
+    summary.eviction = [eviction_status(tree, now).as_dict() for tree in trees]
     summary.seconds = time.monotonic() - started
     return summary, scans, gcs, quarantines

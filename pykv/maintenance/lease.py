@@ -65,29 +65,34 @@ MAX_TERM_S = 600.0  # the longest term pykv grants a lease (a longer ``ttl_s`` i
 CLOCK_SKEW_S = 60.0  # node and file-server clocks may disagree this much (``pykv doctor`` warns at 30 s)
 
 
-class LeaseFault(str, enum.Enum):
-    """Why what stands at the lease's name is not a lease pykv wrote."""
+class StateFault(str, enum.Enum):
+    """Why what stands at the name of a state file pykv owns (the lease; the eviction record,
+    ``pykv.maintenance.evict_record``) is not one pykv wrote."""
 
     NOT_A_FILE = "not-a-file"  # a symlink, directory, FIFO, socket or device
     LINKED = "linked"  # a regular file with another hard link
     OVERSIZED = "oversized"
-    UNPARSABLE = "unparsable"  # not JSON, or not a lease's fields and types
-    NON_FINITE = "non-finite"  # an expiry of Infinity or NaN
+    UNPARSABLE = "unparsable"  # not JSON, or not the file's fields and types
+    NON_FINITE = "non-finite"  # an expiry (a time) of Infinity or NaN
     FAR_EXPIRY = "far-expiry"  # beyond now + MAX_TERM_S, or long before it was written
     FUTURE_MTIME = "future-mtime"
+    FUTURE_TIME = "future-time"  # a time in it after now + CLOCK_SKEW_S
     UNREADABLE = "unreadable"
 
 
 @dataclass(frozen=True)
-class LeaseDefect:
-    """A foreign entry at the lease's name: why (``fault``, ``detail``), and which inode was judged."""
+class StateDefect:
+    """A foreign entry at a state file's name (``path``): why (``fault``, ``detail``), and which inode was judged."""
 
-    fault: LeaseFault
+    fault: StateFault
     detail: str
     identity: tuple[int, int]  # (st_dev, st_ino)
     is_dir: bool = False
     is_symlink: bool = False
     path: str = LEASE_PATH
+
+
+LeaseFault, LeaseDefect = StateFault, StateDefect  # at the lease's name
 
 
 class LeaseRefused(UnsafePathError):
@@ -240,15 +245,22 @@ def quarantine_lease(tree: KVTree, run: str, judged: LeaseDefect | None = None) 
         if not isinstance(current, LeaseDefect):
             return None
         judged = current
+    return quarantine_state_file(tree, LEASE_NAME, run, judged.identity)
+
+
+def quarantine_state_file(tree: KVTree, name: str, run: str, identity: tuple[int, int]) -> Path | None:
+    """Move what stands at ``.pykv/<name>`` to ``.pykv/quarantine/<run>/.pykv/<name>`` (renamed, never
+    followed or deleted); returns where, or None when the rename took a regular file other than the
+    inode judged (``identity``: one pykv published meanwhile), which is linked back."""
     parent = f"{STATE_DIR}/{QUARANTINE_DIR}/{run}/{STATE_DIR}"
-    rename_beneath(tree.root, LEASE_PATH, f"{parent}/{LEASE_NAME}", dir_mode=tree.options.dir_mode)
+    rename_beneath(tree.root, f"{STATE_DIR}/{name}", f"{parent}/{name}", dir_mode=tree.options.dir_mode)
     with directory_fd(tree.root, parent) as moved_fd:
-        st = os.stat(LEASE_NAME, dir_fd=moved_fd, follow_symlinks=False)
-        if (st.st_dev, st.st_ino) == judged.identity or not stat.S_ISREG(st.st_mode):
-            return tree.root / parent / LEASE_NAME  # (a different non-file is not pykv's either)
+        st = os.stat(name, dir_fd=moved_fd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == identity or not stat.S_ISREG(st.st_mode):
+            return tree.root / parent / name  # (a different non-file is not pykv's either)
         with directory_fd(tree.root, STATE_DIR) as fd, contextlib.suppress(FileExistsError):
-            os.link(LEASE_NAME, LEASE_NAME, src_dir_fd=moved_fd, dst_dir_fd=fd, follow_symlinks=False)
-        os.unlink(LEASE_NAME, dir_fd=moved_fd)
+            os.link(name, name, src_dir_fd=moved_fd, dst_dir_fd=fd, follow_symlinks=False)
+        os.unlink(name, dir_fd=moved_fd)
     return None
 
 
@@ -259,41 +271,42 @@ def _run_name(who: str) -> str:
 
 def _judge(fd: int, name: str, now: float) -> LeaseState | LeaseDefect | None:
     """The lease at ``name`` in the state dir ``fd`` as of ``now``; None if there is none."""
-    found = _read_raw(fd, name)
-    if not isinstance(found, tuple):
-        return found
-    st, raw = found
-    if st.st_mtime > now + CLOCK_SKEW_S:
-        return _defect(st, LeaseFault.FUTURE_MTIME, f"modified {st.st_mtime - now:.0f} s in the future")
-    return _parse(raw, st, now)
+    found = read_state_file(fd, name, now=now)
+    return _parse(found[1], found[0], now) if isinstance(found, tuple) else found
 
 
-def _read_raw(fd: int, name: str) -> tuple[os.stat_result, bytes] | LeaseDefect | None:
-    """The file at ``name`` and its bytes, judged from its ``lstat`` before it is opened (no FIFO is
-    opened, no link followed) and read no further than ``LEASE_LIMIT + 1`` bytes."""
-    st = _settled_stat(fd, name)
+def read_state_file(fd: int, name: str, *, limit: int = LEASE_LIMIT, noun: str = "lease", path: str = LEASE_PATH,
+                    settle: bool = True, now: float | None = None
+                    ) -> tuple[os.stat_result, bytes] | StateDefect | None:
+    """The file at ``name`` in the state dir ``fd`` and its bytes, judged from its ``lstat`` before it
+    is opened (no FIFO is opened, no link followed) and read no further than ``limit + 1`` bytes;
+    None if there is none. ``settle``: a second link may be a publication in progress (the lease's);
+    ``now``: an mtime after it (beyond ``CLOCK_SKEW_S``) is a defect."""
+    st = _settled_stat(fd, name) if settle else _lstat(fd, name)
     if st is None:
         return None
     if not stat.S_ISREG(st.st_mode):
         kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else \
             "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
-        return _defect(st, LeaseFault.NOT_A_FILE, f"a {kind}, not a lease pykv wrote")
+        return _defect(st, StateFault.NOT_A_FILE, f"a {kind}, not a {noun} pykv wrote", path)
     if st.st_nlink != 1:
-        return _defect(st, LeaseFault.LINKED, f"a file with {st.st_nlink} hard links, not a lease pykv wrote")
-    if st.st_size > LEASE_LIMIT:
-        return _defect(st, LeaseFault.OVERSIZED, f"{st.st_size} bytes, more than a lease's {LEASE_LIMIT}")
+        return _defect(st, StateFault.LINKED, f"a file with {st.st_nlink} hard links, not a {noun} pykv wrote", path)
+    if st.st_size > limit:
+        return _defect(st, StateFault.OVERSIZED, f"{st.st_size} bytes, more than a {noun}'s {limit}", path)
     try:
-        with open_regular(name, limit=LEASE_LIMIT, dir_fd=fd) as opened:
-            raw = opened.read(LEASE_LIMIT + 1, 0)
+        with open_regular(name, limit=limit, dir_fd=fd) as opened:
+            raw = opened.read(limit + 1, 0)
             st = opened.stat
     except FileNotFoundError:
         return None
     except UnsafePathError as exc:  # replaced since the stat by something else, or a larger file
-        return _defect(st, LeaseFault.NOT_A_FILE, f"not a lease pykv wrote ({exc.strerror})")
+        return _defect(st, StateFault.NOT_A_FILE, f"not a {noun} pykv wrote ({exc.strerror})", path)
     except OSError as exc:
-        return _defect(st, LeaseFault.UNREADABLE, f"unreadable ({exc.strerror})")
-    if len(raw) > LEASE_LIMIT:
-        return _defect(st, LeaseFault.OVERSIZED, f"grew beyond a lease's {LEASE_LIMIT} bytes")
+        return _defect(st, StateFault.UNREADABLE, f"unreadable ({exc.strerror})", path)
+    if len(raw) > limit:
+        return _defect(st, StateFault.OVERSIZED, f"grew beyond a {noun}'s {limit} bytes", path)
+    if now is not None and st.st_mtime > now + CLOCK_SKEW_S:
+        return _defect(st, StateFault.FUTURE_MTIME, f"modified {st.st_mtime - now:.0f} s in the future", path)
     return st, raw
 
 
@@ -322,11 +335,18 @@ def _parse(raw: bytes, st: os.stat_result, now: float) -> LeaseState | LeaseDefe
     return LeaseState(data["holder"][:200], expires_at, raw)
 
 
-def _defect(st: os.stat_result, fault: LeaseFault, detail: str) -> LeaseDefect:
-    return LeaseDefect(fault, detail, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode))
+def _defect(st: os.stat_result, fault: StateFault, detail: str, path: str = LEASE_PATH) -> StateDefect:
+    return StateDefect(fault, detail, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode), path)
 
 
 PUBLISH_SETTLE_S = 2.5  # a publisher's temp link lives microseconds; network clients cache attributes ~1 s
+
+
+def _lstat(fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _settled_stat(fd: int, name: str) -> os.stat_result | None:
@@ -354,7 +374,7 @@ def _remove_if(fd: int, expected: bytes) -> bool:
         os.rename(LEASE_NAME, aside, src_dir_fd=fd, dst_dir_fd=fd)
     except FileNotFoundError:
         return False
-    taken = _read_raw(fd, aside)
+    taken = read_state_file(fd, aside)
     if isinstance(taken, tuple) and taken[1] == expected:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside, dir_fd=fd)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from pykv.tree import (BLOCK_SUFFIX, GC_STATE_NAME, LEASE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME, QUARANTINE_DIR,
-                       ROOT_EXEMPT, SET_NAME, STATE_DIR, KVTree, is_hex, is_temp_name, is_temp_of)
+                       ROOT_EXEMPT, SET_NAME, STATE_DIR, EVICT_RECORD_NAME, KVTree, is_hex, is_temp_name, is_temp_of)
 
 
 
@@ -76,13 +76,14 @@ class LeafDir(NamedTuple):
 
 #: Names in ``.pykv`` that pykv (or SQLite, for the catalog) writes.
 STATE_FILES = frozenset({"catalog.db", "catalog.db-journal", "catalog.db-wal", "catalog.db-shm", GC_STATE_NAME,
-                         LEASE_NAME, SET_NAME})
+                         LEASE_NAME, SET_NAME, EVICT_RECORD_NAME})
 
 
 def is_metadata_temp(name: str) -> bool:
     """True for a temp left while publishing the marker, a ``namespace.json``, ``gc.json``, the
     eviction lease or the set record, or by the O_DIRECT probe."""
-    return is_temp_of(name, (MARKER_NAME, NAMESPACE_FILE, GC_STATE_NAME, LEASE_NAME, SET_NAME, PROBE_NAME))
+    return is_temp_of(name, (MARKER_NAME, NAMESPACE_FILE, GC_STATE_NAME, LEASE_NAME, SET_NAME, EVICT_RECORD_NAME,
+                               PROBE_NAME))
 
 
 def allocated_size(st: os.stat_result) -> int:
