@@ -35,7 +35,8 @@ from pykv.errors import InputError, NotATreeError, RootError
 from pykv.io.ancestry import lineage
 from pykv.membership import SetRecord, check_membership, record_membership
 from pykv.namespace import Namespace
-from pykv.tree import MARKER_NAME, KVTree, TreeOptions, check_tree_root, require_root
+from pykv.roots import require_root
+from pykv.tree import MARKER_NAME, KVTree, TreeOptions, check_tree_root
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,7 @@ import contextlib
 import errno
 import json
 import os
-import re
 import secrets
-import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -34,54 +32,16 @@ from typing import Iterator
 
 import xxhash
 
-from pykv.errors import NestedTreeError, NotATreeError, NotEmptyRootError, RootError
+from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
-from pykv.io.ancestry import holder_of
 from pykv.io.openat2 import enter_directory
 from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath, unlink_beneath
 from pykv.namespace import Namespace
-
-MARKER_NAME = "pykv-tree.json"
-STATE_DIR = ".pykv"
-QUARANTINE_DIR = "quarantine"
-NAMESPACE_FILE = "namespace.json"
-GC_STATE_NAME = "gc.json"
-SET_NAME = "set.json"  # in STATE_DIR: the device set the tree serves in (``pykv.membership``)
-LEASE_NAME = "evict.lease"  # in STATE_DIR: who evicts now (``pykv.maintenance.lease``)
-EVICT_RECORD_NAME = "evict.json"  # in STATE_DIR: the last eviction round (``pykv.maintenance.evict_record``)
-PROBE_NAME = "pykv-direct-probe"  # the O_DIRECT probe's file at the root (``pykv.io.probe``)
-BLOCK_SUFFIX = ".kv"
-TEMP_INFIX = ".tmp."
-#: Entries at the root that belong to the filesystem, not to anyone's cache.
-ROOT_EXEMPT = frozenset({"lost+found"})
-#: The config key an engine's root comes from (named when a root is refused).
-ROOT_KEY = "kv_connector_extra_config.root"
-#: Why a missing root is refused, said with every refusal.
-ROOT_RULE = "pykv never creates a root: a device that did not mount must not become an empty directory"
-_HEX = re.compile(r"^[0-9a-f]+\Z")
-HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
-
-
-def is_hex(name: str) -> bool:
-    """True for a non-empty lowercase hex string (the only names joined into paths)."""
-    return bool(_HEX.match(name))
-
-
-def is_temp_name(name: str) -> bool:
-    """True for a temp file left by ``temp_path`` (``<key>.kv.tmp.<host>.<pid>.<rand>``)."""
-    return TEMP_INFIX in name and name.split(TEMP_INFIX, 1)[0].endswith(BLOCK_SUFFIX)
-
-
-def temp_name(base: str) -> str:
-    """A unique temp name for a file published as ``base`` (host, pid, random): the one spelling
-    of every temp pykv makes, so ``fsck`` recognises what a killed writer left."""
-    return f"{base}{TEMP_INFIX}{HOST}.{os.getpid()}.{secrets.token_hex(4)}"
-
-
-def is_temp_of(name: str, bases: tuple[str, ...]) -> bool:
-    """True for ``temp_name(base)`` of one of ``bases``."""
-    return TEMP_INFIX in name and name.split(TEMP_INFIX, 1)[0] in bases
-
+from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
+from pykv.treenames import (  # noqa: F401  (re-exported: callers find a tree's names here)
+    BLOCK_SUFFIX, EVICT_RECORD_NAME, GC_STATE_NAME, HOST, LEASE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME,
+    QUARANTINE_DIR, ROOT_EXEMPT, ROOT_KEY, ROOT_RULE, SET_NAME, STATE_DIR, TEMP_INFIX, is_hex, is_temp_name,
+    is_temp_of, temp_name)
 
 @dataclass(frozen=True)
 class TreeOptions:
@@ -148,7 +108,7 @@ class KVTree:
             if not mkdir:
                 refuse_inside_tree(tree.root, field)
             if not adopt:
-                _refuse_if_occupied(tree.root, field)
+                refuse_if_occupied(tree.root, field)
             from pykv import __version__
             content = json.dumps({"format_version": FORMAT_VERSION, "created_by": f"pykv {__version__}",
                                   "created_on": HOST, "created_at": time.time(),
@@ -315,34 +275,6 @@ def _marker_identity(root: Path) -> tuple[dict, str]:
     return data, xxhash.xxh3_64_hexdigest(raw)
 
 
-def foreign_entries(root: Path | str) -> list[str]:
-    """Names at ``root`` that pykv did not put there (sorted): anything but the file system's own
-    (``lost+found``), ``.pykv`` and the temps of the marker and the probes."""
-    with os.scandir(root) as entries:
-        return sorted(e.name for e in entries if e.name not in ROOT_EXEMPT and e.name != STATE_DIR
-                      and not is_temp_of(e.name, (MARKER_NAME, PROBE_NAME)))
-
-
-def require_root(root: Path | str, field: str = ROOT_KEY) -> None:
-    """``RootError`` naming ``field`` unless ``root`` is an existing directory: the one check of a
-    root, one or several, an engine's or a command's (``ROOT_RULE``)."""
-    try:
-        mode = os.stat(root).st_mode
-    except FileNotFoundError:
-        if os.path.islink(root):
-            raise RootError(f"{field}: {root} is a symbolic link to nothing (a device not mounted?); {ROOT_RULE}") from None
-        raise RootError(f"{field}: {root} does not exist; create it with `pykv init {root}` ({ROOT_RULE})") from None
-    except NotADirectoryError:
-        raise RootError(f"{field}: {root} is not a directory (a component of its path is a file)") from None
-    except OSError as exc:
-        reason = "a loop of symbolic links" if exc.errno == errno.ELOOP else exc.strerror
-        raise RootError(f"{field}: {root} cannot be reached ({reason})") from None
-    except ValueError:  # a NUL byte
-        raise RootError(f"{field}: {str(root)!r} is not a path") from None
-    if not stat.S_ISDIR(mode):
-        raise RootError(f"{field}: {root} is not a directory")
-
-
 def check_tree_root(root: Path | str, field: str = ROOT_KEY) -> None:
     """What ``KVTree.create(root, mkdir=False)`` would refuse, changing nothing: a root that is not an
     existing directory, a directory holding other files, a marker that cannot be used."""
@@ -351,51 +283,7 @@ def check_tree_root(root: Path | str, field: str = ROOT_KEY) -> None:
         KVTree.open(root)  # NotATreeError for a marker it cannot use
     else:
         refuse_inside_tree(root, field)
-        _refuse_if_occupied(Path(root), field)
-
-
-def refuse_inside_tree(root: Path | str, field: str = ROOT_KEY) -> None:
-    """``NestedTreeError`` if a directory above ``root`` (by ``..``, whatever path or mount named it;
-    for a missing ``root``, its parent too) holds a tree marker: a namespace, shard or state directory
-    is never a root."""
-    exists = os.path.lexists(root)
-    try:
-        tree = holder_of(root if exists else Path(root).absolute().parent, MARKER_NAME, include_self=not exists)
-    except OSError as exc:
-        raise RootError(f"{field}: cannot walk up from {root} ({exc.strerror})") from None
-    if tree is not None:
-        raise NestedTreeError(f"{field}: {root} lies inside the pykv tree {tree} (its namespace, shard or state "
-                              f"directories are never a root); give a directory outside every tree")
-
-
-def create_root(root: Path | str, mode: int = 0o700, field: str = ROOT_KEY) -> bool:
-    """Make the directory ``root`` if it is missing (``pykv init``), never its parents: a missing
-    parent is a device not mounted or a typo. True if it was made."""
-    if os.path.lexists(root):
-        require_root(root, field)
-        return False
-    parent = Path(root).absolute().parent
-    if not os.path.isdir(parent):
-        raise RootError(f"{field}: the parent of {root} is not an existing directory; pykv init makes one directory, "
-                        f"never its parents (a device not mounted? else create {parent} first)")
-    refuse_inside_tree(root, field)
-    try:
-        os.mkdir(root, mode)
-    except FileExistsError:  # made meanwhile
-        require_root(root, field)
-        return False
-    except OSError as exc:
-        raise RootError(f"{field}: cannot create {root} ({exc.strerror})") from None
-    return True
-
-
-def _refuse_if_occupied(root: Path, field: str) -> None:
-    """``NotEmptyRootError`` if ``root`` holds anything pykv did not put there."""
-    occupied = foreign_entries(root)
-    if occupied:
-        raise NotEmptyRootError(
-            f"{field}: {root} holds files ({len(occupied)} entries, e.g. {occupied[0]!r}) and is not a pykv tree "
-            f"(no {MARKER_NAME}); use an empty or new directory, or make this one a tree with 'pykv init {root}'")
+        refuse_if_occupied(Path(root), field)
 
 
 def _exists_at(directory: int, name: str) -> bool:

@@ -14,8 +14,8 @@ from pykv.blockfile import write_block
 from pykv.errors import NotATreeError, RootError
 from pykv.format import Geometry
 from pykv.namespace import Namespace
-from pykv.tree import (MARKER_NAME, NAMESPACE_FILE, KVTree, TreeOptions, check_tree_root, create_root, is_hex,
-                       is_temp_name)
+from pykv.roots import create_root
+from pykv.tree import MARKER_NAME, NAMESPACE_FILE, KVTree, TreeOptions, check_tree_root, is_hex, is_temp_name
 
 NS = Namespace(model="m", dtype="bfloat16", kv_layout="NHD", tokens_per_block=16)
 KEY = bytes.fromhex("a1b2c3d4e5f60718293a4b5c6d7e8f90")

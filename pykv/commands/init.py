@@ -6,7 +6,8 @@ import typer
 
 from pykv.commands.output import RootArgument
 from pykv.errors import RootError
-from pykv.tree import KVTree, MARKER_NAME, create_root
+from pykv.roots import create_root
+from pykv.tree import KVTree, MARKER_NAME
 
 
 def init_command(root: RootArgument) -> None:

@@ -39,7 +39,8 @@ from pykv.io.uring import UringBackend, uring_available
 from pykv.maintenance.evict_record import eviction_status
 from pykv.media.posix import READ_FLAGS, WRITE_FLAGS
 from pykv.membership import check_membership
-from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, foreign_entries, refuse_inside_tree, temp_name
+from pykv.roots import foreign_entries, refuse_inside_tree
+from pykv.tree import MARKER_NAME, PROBE_NAME, KVTree, temp_name
 
 SEED_ENV = "PYTHONHASHSEED"
 CLOCK_SKEW_WARN_S = 30.0  # beyond this, --min-age and gc's recency are measured against a clock that is off
