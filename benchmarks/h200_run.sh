@@ -8,9 +8,9 @@
 #
 # - installs vLLM 0.26 from the carried parts when $SITE/vllm is missing
 #   (shared/device/install.sh, run from $PARTS/part2);
-# - lays pykv out as the installed package (pykv + pykv.connector, + pykv.jobs
-#   when jobs/ exists) in $WORK/shim, adds xxhash from .device/extra when the
-#   image lacks it;
+# - copies pykv/ (the installed package's layout; an older snapshot's top-level
+#   connector/, jobs/ and commands/ go under it) to $WORK/shim, adds xxhash from
+#   .device/extra when the image lacks it;
 # - runs the stage with a deadline (PYKV_H200_BUDGET_S, default 560 s after this
 #   script started: the device tool stops a command at 600 s);
 # - appends JSON lines to $WORK/results.jsonl (persistent on the held host) and
@@ -65,7 +65,7 @@ fi
 #    top-level connector/, jobs/ and commands/: they are put under pykv/ as its wheel did)
 SHIM=$WORK/shim
 rm -rf "$SHIM" && mkdir -p "$SHIM"
-SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ and connector/ (e.g. .device/snap) instead of the working tree
+SRC=${PYKV_SRC:-$REPO}  # a snapshot of pykv/ (e.g. .device/snap; older ones also hold connector/) instead of the working tree
 cp -r "$SRC/pykv" "$SHIM/pykv"
 [ -d "$SRC/connector" ] && rm -rf "$SHIM/pykv/connector" && cp -r "$SRC/connector" "$SHIM/pykv/connector"
 [ -d "$SRC/jobs" ] && rm -rf "$SHIM/pykv/jobs" && cp -r "$SRC/jobs" "$SHIM/pykv/jobs"
