@@ -358,6 +358,7 @@ def model(tmp_path_factory) -> Path:
 def test_calibrate_writes_a_valid_file_table_and_plot(tmp_path, model, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     root, out = tmp_path / "medium", tmp_path / "cal.json"
+    root.mkdir()
     result = invoke("--model", str(model), "--root", str(root), "--lengths", "256,512,1024,2048", "--repeat", "2",
                     "--out", str(out), "--engine-arg", "block_size=32", "--engine-arg", "gpu_memory_utilization=0.15",
                     "--engine-args", '{"max_model_len": 4096}', "--set", "staging_bytes=16M",
