@@ -36,19 +36,7 @@ fi
 # What was installed must run, or this script fails naming why: every module of the installed pykv
 # imports (from /, so a pykv folder here cannot stand in for it) and the `pykv` command starts.
 step "checking the installed pykv"
-if ! problem=$(cd / && python -P -c '
-import importlib, pkgutil, sys, pykv
-failed = []
-for module in pkgutil.walk_packages(pykv.__path__, "pykv."):
-    if module.name.endswith("__main__"):
-        continue
-    try:
-        importlib.import_module(module.name)
-    except Exception as exc:
-        failed.append(f"{module.name}: {type(exc).__name__}: {exc}")
-if failed:
-    sys.exit("\n".join(failed))
-' 2>&1 >/dev/null); then
+if ! problem=$(cd / && python -P -m pykv.selfcheck 2>&1 >/dev/null); then
     printf 'install.sh: pykv was installed but does not import:\n%s\n' "$problem" >&2
     exit 1
 fi
