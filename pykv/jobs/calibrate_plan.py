@@ -7,7 +7,6 @@ procedure). Imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pykv.calibration import TIERS
 from pykv.config import root_keys
 from pykv.deviceset import require_roots
 from pykv.errors import InputError
-from pykv.jobs.model_limit import ModelLimit, engine_limit, fit_lengths
+from pykv.jobs.model_limit import ModelLimit, engine_limit, fit_lengths, model_config, text_config
 
 PHASES = ("recompute", "store", "disk", "gated")
 GATE_FILE = "gate.json"
@@ -178,11 +177,10 @@ def plan_phases(run: CalibrationRun, scratch: Path | list[Path], work: Path, dra
 
 def kv_bytes_per_token(model: str, engine_args: dict[str, Any]) -> int | None:
     """KV bytes per token of a Hugging Face model directory (all layers, K and V); None if unknown."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
+    config = model_config(model)
+    if config is None:
         return None
-    config = config.get("text_config", config)
+    config = text_config(config)
     try:
         layers = int(config["num_hidden_layers"])
         heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])

@@ -39,23 +39,34 @@ class ModelLimit:
         return max(0, (self.tokens - 2) // block_tokens * block_tokens)
 
 
+def model_config(model: str) -> dict[str, Any] | None:
+    """``model``'s ``config.json`` as a JSON object; None for a hub id or a file that is missing,
+    unreadable or not an object."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config (``text_config`` of a multimodal model, else all of it)."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
 def config_limit(model: str) -> ModelLimit | None:
     """The limit ``model``'s ``config.json`` derives; None for a hub id, a directory without a
     readable config, or a config naming no length (vLLM then takes the ``max_model_len`` given)."""
-    path = Path(model) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+    config = model_config(model)
+    if config is None:
         return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = text_config(config)
     found = {key: text[key] for key in LENGTH_KEYS if _positive(text.get(key))}
     if not found:
         return None
     key = "model_max_length" if "model_max_length" in found else min(found, key=lambda k: found[k])
     tokens = found[key] * _rope_factor(text, str(config.get("model_type", "")))
-    return ModelLimit(int(tokens), f"{key} in {path}")
+    return ModelLimit(int(tokens), f"{key} in {Path(model) / 'config.json'}")
 
 
 def engine_limit(model: str, engine_args: dict[str, Any]) -> ModelLimit | None:
