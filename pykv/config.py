@@ -91,6 +91,13 @@ def _interval(value: Any, key: str) -> float:
     return seconds
 
 
+def _deadline(value: Any, key: str) -> float:
+    seconds = _duration(value, key)
+    if seconds < 0.01:
+        raise InputError(f"{PREFIX}.{key}: expected a duration of at least 0.01s, got {value!r}")
+    return seconds
+
+
 def _positive_int(maximum: int) -> Callable[[Any, str], int]:
     """A parser of integers in 1..``maximum``."""
     return _int_range(1, maximum)
@@ -227,6 +234,14 @@ class PykvConfig:
                                       "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
+    lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "
+                                  "request's existence checks: an unanswered block is a miss (recomputed), and a "
+                                  "device with a check running longer answers miss at once until it returns (a "
+                                  "stalled mount never blocks the engine's step longer).", "duration")
+    io_deadline: float = _key(_deadline, "30s", "A load or store job whose blocks make no progress this long is "
+                              "given up: a load's blocks not yet copied are recomputed, a store ends for vLLM "
+                              "unstored once no copy reads its GPU blocks (its writes finish or fail later, never "
+                              "torn). Also bounds how long shutdown waits for I/O in flight.", "duration")
     max_tree_bytes: int = _key(_size, 0, "Keep the tree under this size while serving (per device with `roots`): "
                                "a background thread evicts least-recently-used blocks down to 90 % of it, one "
                                "engine at a time; 0: no limit.", "size")

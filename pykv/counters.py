@@ -85,6 +85,12 @@ class Metric(_Documented):
     EVICT_LEASE_SKIPS = ("pykv:evict_lease_skips",
         "Eviction rounds skipped because another engine held the device's eviction lease.")
     EVICT_ERRORS = "pykv:evict_errors", "Eviction rounds that failed (logged; tried again at the next check)."
+    LOOKUPS_UNANSWERED = ("pykv:lookups_unanswered",
+        "Existence checks a device did not answer within lookup_deadline (a stalled or overloaded mount); "
+        "their blocks counted as misses and were recomputed.")
+    STORES_UNANSWERED = ("pykv:stores_unanswered",
+        "Storage blocks not stored because their device did not answer the existence check within "
+        "lookup_deadline.")
     STORED_BLOCKS = ("pykv:stored_blocks",
         "Storage blocks whose store ended well for vLLM (published, or sealed in the DRAM tier first: a later "
         "failure of its file counts in pykv:store_failures).")

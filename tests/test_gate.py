@@ -192,7 +192,7 @@ def test_lookups_after_an_admitted_gate_reuse_what_it_found(tmp_path, monkeypatc
 def test_a_stored_prefix_is_surveyed_at_once_on_the_lookup_threads_and_lookups_reuse_it(tmp_path, monkeypatch):
     import threading
 
-    from pykv.fanout import THREAD_PREFIX
+    from pykv.lanes import THREAD_PREFIX
     m = manager(tmp_path, dram_bytes="1M")  # no gate: the survey runs all the same
     keys = [bytes([i, 7]) * 18 for i in range(40)]
     on_disk(m, keys[:30])
@@ -211,7 +211,7 @@ def test_a_stored_prefix_is_surveyed_at_once_on_the_lookup_threads_and_lookups_r
     assert lookups(m, "r", keys[:32]) == [LookupResult.HIT] * 31 + [LookupResult.MISS]
     assert len(stats) == 39  # answered from the survey
     m.shutdown()
-    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+    assert m.presence.calls.threads_alive() == 0
 
 
 def test_a_request_whose_first_block_misses_costs_one_stat_and_a_gpu_hit_skips_its_blocks(tmp_path, monkeypatch):
@@ -305,18 +305,19 @@ def test_disk_hits_are_stamped_in_the_background_after_prepare_load(tmp_path, mo
     keys = [bytes([i, 3]) * 18 for i in range(20)]
     on_disk(m, keys)
     release, stamped = threading.Event(), []
-    touch = m.medium.touch
+    tree = m.devices[0]
+    touch = tree.touch
 
     def slow_touch(location):
         assert release.wait(5)
         stamped.append(location)
         return touch(location)
-    monkeypatch.setattr(m.medium, "touch", slow_touch)
+    monkeypatch.setattr(tree, "touch", slow_touch)
     spec = m.prepare_load(keys, ReqContext(req_id="r"))
     assert len(spec.keys) == 20 and stamped == []  # returned before any stamp
     release.set()
-    m.lookups.close()
-    assert sorted(stamped) == sorted(m.medium.locate(m.namespace.id, k) for k in keys)
+    assert m.presence.close(timeout=5)  # the queued stamps run before the threads stop
+    assert sorted(stamped) == sorted(tree.block_path(m.namespace.id, k) for k in keys)
     m.shutdown()
 
 

@@ -33,10 +33,10 @@ from pykv.calibration import BreakEvenGate, most_reusable
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.maintenance.gauges import GaugeSample
 from pykv.counters import CounterFile, Metric, SchedulerCounter
-from pykv.fanout import FanOut, lookup_threads
 from pykv.preload import PreloadPlan, PreloadPlanner
 from pykv.residency import DramResidency, StorePause, Tier
-from pykv.store import open_devices, open_store_medium
+from pykv.presence import DiskPresence
+from pykv.store import open_devices
 from pykv.tiers import DramIndex
 
 from pykv.connector import compat
@@ -75,8 +75,8 @@ class PykvManager(OffloadingManager):
         self.rank_namespaces = tuple(namespace_for(config, rank=r) for r in range(max(config.parallel.world_size, 1)))
         self.namespace = self.rank_namespaces[0]
         self.devices = open_devices(pykv)
-        self.medium = open_store_medium(self.devices)  # lookups and access stamps only
-        self.lookups = FanOut(lookup_threads(len(self.devices)))  # a request's existence checks at once
+        # existence checks and access stamps, on each device's threads, answered within lookup_deadline
+        self.presence = DiskPresence(self.devices, [ns.id for ns in self.rank_namespaces], pykv.lookup_deadline)
         try:
             self.devices.ensure_namespace(self.namespace)
         except OSError as exc:  # a read-only tree can still serve loads
@@ -135,8 +135,9 @@ class PykvManager(OffloadingManager):
         return Tier.DISK if self.on_disk(key) else None
 
     def on_disk(self, key: bytes) -> bool:
-        """Whether every rank's file of ``key`` is published (one stat per rank)."""
-        return all(self.medium.contains(ns.id, key) for ns in self.rank_namespaces)
+        """Whether every rank's file of ``key`` is published (one stat per rank; a device that does not
+        answer within ``lookup_deadline`` counts as a miss)."""
+        return self.presence.find([key])[0] is True
 
     def survey_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
         """Before a request's lookups (connector hook): where each block it would load is, found at
@@ -202,7 +203,7 @@ class PykvManager(OffloadingManager):
                 tiers[key] = Tier.DRAM
             else:
                 disk.append(key)
-        for key, stored in zip(disk, self.lookups.map(self.on_disk, disk)):
+        for key, stored in zip(disk, self.presence.find(disk)):
             tiers[key] = Tier.DISK if stored else None
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
@@ -217,21 +218,17 @@ class PykvManager(OffloadingManager):
                 self.counters[Metric.HITS_DRAM] += 1
             else:
                 tiers[key] = Tier.DISK
-                stamped += [(ns.id, key) for ns in self.rank_namespaces]
+                stamped.append(key)
                 self.counters[Metric.HITS_DISK] += 1
                 slot = _slot_or_none(self.residency.promotion_slot(key))
             slots.append(slot)
             resident.append(tiers[key] is Tier.DRAM)
-        self.lookups.start(self._stamp, stamped)  # off the scheduler's step: the load needs no atime
+        self.presence.stamp(stamped)  # off the scheduler's step: the load needs no atime
         self._preload_done(req_context.req_id)
         self._load_tiers = (req_context.req_id, tiers)
         self.timing[SchedulerCounter.LOAD_PLANNED_NS] = time.time_ns()
         self._write_stats()
         return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
-
-    def _stamp(self, block: tuple[str, bytes]) -> None:
-        """Stamp a disk hit's file as used now (gc and eviction recency)."""
-        self.medium.touch(self.medium.locate(*block))
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         """The tier a hit is loaded from (vLLM labels the request's cached tokens with it): host
@@ -262,10 +259,12 @@ class PykvManager(OffloadingManager):
             self._write_stats()
             return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
         to_store, slots = [], []
-        for key in keys:
-            if self.residency.holds(key) or self.on_disk(key):
-                # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
-                self.counters[Metric.STORE_SKIPPED] += 1
+        # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
+        new = [key for key in keys if not self.residency.holds(key)]
+        self.counters[Metric.STORE_SKIPPED] += len(keys) - len(new)
+        for key, stored in zip(new, self.presence.find(new)):
+            if stored is not False:  # on disk, or its device did not answer: nothing to store there now
+                self.counters[Metric.STORE_SKIPPED if stored else Metric.STORES_UNANSWERED] += 1
                 continue
             to_store.append(key)
             slots.append(_slot_or_none(self.residency.begin_store(key)))
@@ -352,7 +351,7 @@ class PykvManager(OffloadingManager):
     def get_stats(self):
         """pykv's counters since the last call and, when due, the evictor's gauges (``GAUGE_REPORT_S``),
         as vLLM ``OffloadingConnectorStats``. Called once per engine step."""
-        self._take_evictor_counters()
+        self._take_thread_counters()
         delta = self.counters - self._reported
         gauges = self._due_gauges()
         if not delta and not gauges:
@@ -373,10 +372,11 @@ class PykvManager(OffloadingManager):
         self._gauges_reported = now
         return self.evictor.gauges.samples()
 
-    def _take_evictor_counters(self) -> None:
+    def _take_thread_counters(self) -> None:
         if self.evictor is not None:
             for name, value in self.evictor.stats().items():  # the evictor's totals (its own thread counts them)
                 self.counters[name] = value
+        self.counters[Metric.LOOKUPS_UNANSWERED] = self.presence.unanswered
 
     def shutdown(self) -> None:
         """vLLM's hook at engine shutdown (``OffloadingManager.shutdown``; idempotent): the evictor
@@ -385,13 +385,13 @@ class PykvManager(OffloadingManager):
         ``pykv fsck`` and the lease blocks other engines' eviction until it expires."""
         if self.evictor is not None:
             self.evictor.close()
-        self.lookups.close()
+        self.presence.close()
         self._write_stats()
         self._stats_file.flush()
 
     def _write_stats(self) -> None:
         if not self._stats_file.enabled:
             return
-        self._take_evictor_counters()
+        self._take_thread_counters()
         self._stats_file.write({**self.counters, **self.timing, SchedulerCounter.DRAM_ENTRIES: len(self.residency),
                                 SchedulerCounter.PENDING_STORES: self.residency.pending_stores})

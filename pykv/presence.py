@@ -1,0 +1,98 @@
+"""Which blocks are published on a device set, asked of each device within a deadline.
+
+The scheduler's view of the disk: a key is on disk when every rank's file of it is published
+on one of its candidate devices (each rank places its own shard). The candidates are asked
+in rounds, first choices first, so a block costs the ``lstat``s a sequential search would;
+every call runs on its device's threads (``pykv.lanes``), so a stalled mount costs one round
+at most the deadline, once, and then answers at once: such a key is *unknown* (``None``), which the
+caller treats as a miss (and does not store). Where each file was found is remembered for
+the access stamps of a load that follows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pykv.deviceset import DeviceSet
+from pykv.lanes import LaneCalls
+
+MAX_HOLDERS = 1 << 16
+"""Holders remembered for stamps at most (the map starts over beyond it)."""
+
+Block = tuple[int, str, bytes]  # (device, namespace id, key)
+
+
+class DiskPresence:
+    """Existence checks and access stamps of blocks over ``devices`` for ``namespaces`` (one per rank)."""
+
+    def __init__(self, devices: DeviceSet, namespaces: Sequence[str], deadline: float) -> None:
+        self.devices, self.namespaces = devices, tuple(namespaces)
+        self.calls = LaneCalls(len(devices), deadline)
+        self._holders: dict[tuple[str, bytes], int] = {}
+
+    @property
+    def unanswered(self) -> int:
+        """Checks that got no answer in time, since the start."""
+        return self.calls.unanswered
+
+    def find(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """For each key: True when every rank's file is published, False when one rank's is on none of
+        its candidates, else None (a device did not answer in time and no other candidate held it)."""
+        found: set[tuple[str, bytes]] = set()
+        unknown: set[tuple[str, bytes]] = set()
+        pending = list(dict.fromkeys((ns, key) for key in keys for ns in self.namespaces))
+        position = 0
+        while pending:
+            asked = [(ns, key, choices[position]) for ns, key in pending
+                     if position < len(choices := self.devices.candidates(key))]
+            answers = self.calls.run(self._contains, [(device, (device, ns, key)) for ns, key, device in asked])
+            for (ns, key, device), answer in zip(asked, answers):
+                if answer:
+                    found.add((ns, key))
+                    self._remember(ns, key, device)
+                elif answer is None:
+                    unknown.add((ns, key))
+            pending = [(ns, key) for ns, key, _ in asked if (ns, key) not in found]
+            position += 1
+        return [_verdict([(ns, key) in found for ns in self.namespaces],
+                         [(ns, key) in unknown for ns in self.namespaces]) for key in keys]
+
+    def stamp(self, keys: Sequence[bytes]) -> int:
+        """Stamp every rank's file of these keys as used now (gc and eviction recency), on their devices'
+        threads without waiting; a stalled device skips its stamps. Returns how many were queued."""
+        items = []
+        for key in keys:
+            for ns in self.namespaces:
+                device = self._holders.get((ns, key))
+                if device is None:
+                    device = self.devices.candidates(key)[0]
+                items.append((device, (device, ns, key)))
+        return self.calls.start(self._touch, items)
+
+    def close(self, timeout: float = 1.0) -> bool:
+        return self.calls.close(timeout)
+
+    # -- on the devices' threads ----------------------------------------------------------------------
+    def _contains(self, block: Block) -> bool:
+        device, ns, key = block
+        return self.devices[device].contains(ns, key)
+
+    def _touch(self, block: Block) -> bool:
+        device, ns, key = block
+        tree = self.devices[device]
+        return tree.touch(tree.block_path(ns, key))
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _remember(self, ns: str, key: bytes, device: int) -> None:
+        if len(self._holders) >= MAX_HOLDERS:
+            self._holders.clear()
+        self._holders[ns, key] = device
+
+
+def _verdict(found: list[bool], unknown: list[bool]) -> bool | None:
+    """A key's answer from its ranks': every file found, one surely missing, or not known."""
+    if all(found):
+        return True
+    if any(not f and not u for f, u in zip(found, unknown)):
+        return False
+    return None
