@@ -1,0 +1,183 @@
+"""``planes-zstd``: lossless; byte planes of 16-bit KV values, each entropy-coded by zstd.
+
+Stored bytes (little endian)::
+
+    table   chunks x planes  u32   stored length of each plane of each chunk
+    data                           the planes, in table order
+
+The payload is cut into chunks of ``chunk`` bytes (the last may be shorter); each chunk's
+``elem`` planes are coded apart. A plane whose zstd frame would not be smaller than the plane
+is stored raw: a stored length equal to the plane's length means raw, a smaller one a zstd
+frame, a larger one is refused. The chunk count comes from the trusted payload length, so the
+table's size is known before a stored byte is read; every frame must declare exactly its
+plane's length and decode to exactly that into a bounded buffer, trailing bytes are refused.
+Chunks are independent: with ``threads`` > 1 they are coded on a thread pool (zstd and numpy
+release the GIL).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+import zstandard
+
+from pykv.codec import planes
+from pykv.codec.base import Buffer, Codec, CodecError, byte_view
+
+_LENGTH = struct.Struct("<I")
+FORMAT_REVISION = 1
+MAX_CHUNK = 1 << 30
+_T = TypeVar("_T")
+
+
+class PlanesZstdCodec(Codec):
+    """Lossless codec for payloads of ``elem``-byte values (2 for bf16/fp16 KV)."""
+
+    name = "planes-zstd"
+
+    def __init__(self, *, elem: int = 2, level: int = 1, chunk: int = 1 << 20, threads: int = 1) -> None:
+        if elem not in (1, 2, 4):
+            raise ValueError(f"elem must be 1, 2 or 4 bytes, not {elem}")
+        if not 0 < chunk <= MAX_CHUNK or chunk % elem:
+            raise ValueError(f"chunk must be a multiple of {elem} in 1..{MAX_CHUNK} bytes, not {chunk}")
+        if not -7 <= level <= 19:
+            raise ValueError(f"zstd level must be in -7..19, not {level}")
+        self.elem, self.level, self.chunk, self.threads = elem, level, chunk, max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, "pykv-codec") if self.threads > 1 else None
+        self._contexts = threading.local()  # zstd contexts are not thread-safe: one per thread
+
+    @property
+    def params(self) -> str:
+        return f"{self.name}:v{FORMAT_REVISION},elem={self.elem},level={self.level},chunk={self.chunk}"
+
+    def _chunks(self, payload_len: int) -> list[tuple[int, int]]:
+        if payload_len % self.elem:
+            raise CodecError(self.name, f"a payload of {payload_len} bytes is not a whole number of "
+                                        f"{self.elem}-byte values")
+        return [(start, min(self.chunk, payload_len - start)) for start in range(0, payload_len, self.chunk)]
+
+    def _table_bytes(self, chunks: int) -> int:
+        return chunks * self.elem * _LENGTH.size
+
+    def encoded_bound(self, payload_len: int) -> int:
+        return self._table_bytes(len(self._chunks(payload_len))) + payload_len
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def encode(self, src: Buffer, out: Buffer | None = None) -> bytes | int:
+        payload = byte_view(src)
+        chunks = self._chunks(len(payload))
+        pieces = self._map(lambda c: self._encode_chunk(payload[c[0]:c[0] + c[1]]), chunks)
+        table = self._table_bytes(len(chunks))
+        lengths = [len(piece) for chunk in pieces for piece in chunk]
+        if out is None:
+            return b"".join([struct.pack(f"<{len(lengths)}I", *lengths), *(p for c in pieces for p in c)])
+        total = table + sum(lengths)
+        target = byte_view(out, writable=True)
+        if len(target) < total:
+            raise CodecError(self.name, f"output buffer of {len(target)} bytes is smaller than the "
+                                        f"{total} encoded bytes")
+        struct.pack_into(f"<{len(lengths)}I", target, 0, *lengths)
+        position = table
+        for piece in (p for c in pieces for p in c):
+            target[position:position + len(piece)] = piece
+            position += len(piece)
+        return total
+
+    def _encode_chunk(self, values: memoryview) -> list[memoryview]:
+        compressor = getattr(self._contexts, "compressor", None)
+        if compressor is None:
+            compressor = self._contexts.compressor = zstandard.ZstdCompressor(
+                level=self.level, write_content_size=True, write_checksum=False)
+        out = []
+        for plane in planes.split(values, self.elem):
+            frame = compressor.compress(plane)
+            out.append(memoryview(frame) if len(frame) < len(plane) else memoryview(plane).cast("B"))
+        return out
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def decode(self, src: Buffer, dst: Buffer) -> None:
+        stored, target = byte_view(src), byte_view(dst, writable=True)
+        chunks = self._chunks(len(target))
+        table = self._table_bytes(len(chunks))
+        if len(stored) < table:
+            raise CodecError(self.name, f"{len(stored)} stored bytes cannot hold the {table}-byte table")
+        lengths = struct.unpack_from(f"<{table // _LENGTH.size}I", stored)
+        jobs, position = [], table
+        for index, (start, size) in enumerate(chunks):
+            plane_len = size // self.elem
+            spans = []
+            for plane in range(self.elem):
+                length = lengths[index * self.elem + plane]
+                if length > plane_len or length == 0 < plane_len:
+                    raise CodecError(self.name, f"chunk {index} plane {plane}: {length} stored bytes "
+                                                f"for a {plane_len}-byte plane")
+                spans.append((position, length))
+                position += length
+            jobs.append((start, size, spans))
+        if position != len(stored):
+            raise CodecError(self.name, f"table accounts for {position} bytes, {len(stored)} stored")
+        out = np.frombuffer(target, dtype=np.uint8)
+        self._map(lambda job: self._decode_chunk(stored, out, *job), jobs)
+
+    def _decode_chunk(self, stored: memoryview, out: np.ndarray, start: int, size: int,
+                      spans: list[tuple[int, int]]) -> None:
+        plane_len = size // self.elem
+        region = out[start:start + size]
+        scratch = None
+        for plane, (position, length) in enumerate(spans):
+            data = stored[position:position + length]
+            if length == plane_len:
+                planes.merge_plane(region, plane, self.elem, data)
+                continue
+            if scratch is None:
+                scratch = np.empty(plane_len, dtype=np.uint8)
+            self._inflate(data, scratch)
+            planes.merge_plane(region, plane, self.elem, scratch)
+
+    def _inflate(self, frame: memoryview, into: np.ndarray) -> None:
+        """Decode one zstd frame declaring exactly ``len(into)`` bytes into ``into``."""
+        try:
+            declared = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as error:
+            raise CodecError(self.name, f"bad zstd frame header: {error}") from None
+        if declared != len(into):
+            raise CodecError(self.name, f"zstd frame declares {declared} bytes, the plane has {len(into)}")
+        decompressor = getattr(self._contexts, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._contexts.decompressor = zstandard.ZstdDecompressor()
+        view, filled = memoryview(into), 0
+        try:
+            # read_across_frames: a second frame or trailing bytes after the first are read (and
+            # refused below), not silently ignored
+            with decompressor.stream_reader(frame, read_size=max(len(frame), 1),
+                                            read_across_frames=True) as reader:
+                while filled < len(into):
+                    got = reader.readinto(view[filled:])
+                    if not got:
+                        break
+                    filled += got
+                extra = reader.read(1) if filled == len(into) else b""
+        except zstandard.ZstdError as error:
+            raise CodecError(self.name, f"corrupt zstd frame: {error}") from None
+        if filled != len(into) or extra:
+            raise CodecError(self.name, f"zstd frame decodes to {'more' if extra else filled} bytes, "
+                                        f"not {len(into)}")
+
+    def _map(self, fn: Callable[[_T], object], items: Iterable[_T]) -> list:
+        items = list(items)
+        if self._pool is None or len(items) < 2:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        """Stop the codec's threads (idle ones; tests and tools)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
