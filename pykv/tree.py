@@ -267,6 +267,8 @@ def _marker_identity(root: Path) -> tuple[dict, str]:
         raise NotATreeError(f"{root}: not a pykv tree (no {MARKER_NAME})") from None
     except (OSError, ValueError) as exc:
         raise NotATreeError(f"{marker}: unreadable tree marker ({exc})") from None
+    except RecursionError:  # JSON nested deeper than Python's stack: no marker pykv writes
+        raise NotATreeError(f"{marker}: unreadable tree marker (JSON nested too deeply)") from None
     if not isinstance(data, dict):
         raise NotATreeError(f"{marker}: the tree marker is not a JSON object")
     tree_id = data.get("tree_id")

@@ -186,7 +186,7 @@ def parse_pairs(option: str, items: list[str], *, json_values: bool = True) -> d
         if json_values:
             try:
                 values[key] = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON (or nested too deeply for it): text
                 pass
     return values
 
@@ -206,6 +206,8 @@ def parse_engine_args(text: str | None, items: list[str], *, reserved: tuple[str
             values = json.loads(text)
         except ValueError as exc:
             raise InputError(f"--engine-args: not JSON: {exc}") from None
+        except RecursionError:
+            raise InputError("--engine-args: not JSON: nested too deeply") from None
         if not isinstance(values, dict):
             raise InputError("--engine-args: expected a JSON object of vllm.LLM arguments")
     values = {**values, **parse_pairs("--engine-arg", items)}

@@ -109,9 +109,8 @@ class Catalog:
                 entries = list_leaf(item)
                 result.entries.extend(entries)
                 fresh.append((item, listed_at, entries))
-        result.dirs_listed = len(fresh)
-        result.dirs_cached = len(reuse)
-        append = result.entries.append
+        capacity = _capacity(self.tree.root)
+        cached: dict[str, list[Entry]] = {}
         for rel, name, kind, size, atime_ns, mtime_ns in self.db.execute(
                 "SELECT dir, name, kind, size, atime_ns, mtime_ns FROM entries"):
             leaf = reuse.get(rel)
@@ -120,7 +119,18 @@ class Catalog:
                 if row_kind is None or type(size) is not int or type(atime_ns) is not int \
                         or type(mtime_ns) is not int:
                     continue  # a row pykv never wrote: the tree is the truth, the next listing sees it
-                append(Entry(f"{leaf.path}/{name}", row_kind, leaf.namespace, size, atime_ns, mtime_ns))
+                if not 0 <= size <= capacity or atime_ns > started or mtime_ns > started:
+                    reuse.pop(rel)  # a size or time no listing gives (listed ones are clamped): list it again
+                    cached.pop(rel, None)
+                    fresh.append((leaf, time.time_ns(), entries := list_leaf(leaf)))
+                    result.entries.extend(entries)
+                    continue
+                cached.setdefault(rel, []).append(
+                    Entry(f"{leaf.path}/{name}", row_kind, leaf.namespace, size, atime_ns, mtime_ns))
+        for entries in cached.values():
+            result.entries.extend(entries)
+        result.dirs_listed = len(fresh)
+        result.dirs_cached = len(reuse)
         try:
             self._store(prefix, set(cached_mtime) - set(reuse), fresh)
         except sqlite3.Error as exc:  # the scan stands; the next one lists more
@@ -160,6 +170,16 @@ def _encodable(name: str) -> bool:
         return False
 
 
+def _capacity(root: Path) -> int:
+    """The bytes the root's file system holds: no file there occupies more (a listing counts what a
+    file occupies), so a cached row claiming more was not written by a listing."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
+
+
 def _checked_kind(name: object, kind: object) -> Kind | None:
     """The kind of a cached row, re-derived from its name: None for a name that is not one path
     component (``../x``, ``a/b``); a row may not call a name a block that is not one."""
@@ -178,15 +198,19 @@ def _checked_kind(name: object, kind: object) -> Kind | None:
 
 
 def _refuse_links(path: Path) -> None:
-    """SQLite follows symlinks: a link planted as the catalog, its journals or the state dir
-    could make it rewrite any file of the user running gc. Raise ``OSError`` for one."""
+    """SQLite follows symlinks: a link planted as the catalog, its journals or the state dir, or a
+    hard link of another file at their names, could make it rewrite any file of the user running
+    gc. Raise ``OSError`` for one."""
     for candidate in (path.parent, *(path.with_name(path.name + s) for s in ("", "-journal", "-wal", "-shm"))):
         try:
-            mode = os.lstat(candidate).st_mode
+            st = os.lstat(candidate)
         except FileNotFoundError:
             continue
+        mode = st.st_mode
         if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) if candidate == path.parent else stat.S_ISREG(mode)):
             raise OSError(errno.ELOOP, "not a plain file or directory (planted link?)", str(candidate))
+        if candidate != path.parent and st.st_nlink != 1:  # SQLite would rewrite the file of the other name
+            raise OSError(errno.EMLINK, "a file with another hard link, not a catalog pykv wrote", str(candidate))
 
 
 def _read_only(exc: Exception) -> bool:

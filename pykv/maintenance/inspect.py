@@ -123,9 +123,24 @@ def read_namespace_fields(tree: KVTree, namespace_id: str) -> dict[str, Any]:
         data.pop("id", None)
         if isinstance(extra, dict):
             data.update({f"extra.{k}": v for k, v in extra.items()})
-        return data
+        return {key: _shallow(value) for key, value in data.items()}
     except (OSError, ValueError, RecursionError):
         return {}
+
+
+_MAX_FIELD_DEPTH = 16  # namespace.json holds flat fields; deeper values cannot be printed without recursion
+
+
+def _shallow(value: Any, depth: int = 0) -> Any:
+    """``value`` if its lists and objects nest at most ``_MAX_FIELD_DEPTH`` deep, else a note saying so
+    (a field nested hundreds deep, which JSON parses, would exhaust the stack when printed)."""
+    if depth >= _MAX_FIELD_DEPTH:
+        return "(nested too deeply)"
+    if isinstance(value, list):
+        return [_shallow(item, depth + 1) for item in value]
+    if isinstance(value, dict):
+        return {key: _shallow(item, depth + 1) for key, item in value.items()}
+    return value
 
 
 def describe_namespace(fields: dict[str, Any]) -> str:
