@@ -173,6 +173,11 @@ class WorkerCounter(_Documented):
     DRAM_DELIVERED_BLOCKS = "dram_delivered_blocks", "Blocks copied to the GPU straight from DRAM-tier slots."
     DRAM_DELIVERED_BYTES = "dram_delivered_bytes", "Their bytes."
     STORE_JOBS = "store_jobs", "Store jobs vLLM submitted."
+    LOAD_JOBS_GIVEN_UP = ("load_jobs_given_up",
+        "Load jobs given up after io_deadline without progress (a stalled mount): their blocks not yet copied "
+        "were recomputed.")
+    STORE_JOBS_GIVEN_UP = ("store_jobs_given_up",
+        "Store jobs vLLM got back after io_deadline without progress, their unfilled blocks unstored.")
     STORE_JOBS_RELEASED_EARLY = ("store_jobs_released_early",
         "Store jobs that ended for vLLM once sealed in DRAM-tier slots.")
     STORE_BLOCKS = "store_blocks", "Storage blocks in store jobs that ended."

@@ -31,6 +31,7 @@ class Step(enum.Enum):
     FSYNC = "fsync"
     PUBLISH = "publish"
     SHED = "shed"  # vLLM needed the store's GPU blocks back before a staging slot was free: dropped
+    STALL = "stall"  # no progress within io_deadline (a stalled mount): given up, recomputed or unstored
 
 
 _STORE_MEDIUM = frozenset({Step.MKDIR, Step.OPEN_FOR_WRITE, Step.WRITE, Step.FSYNC, Step.PUBLISH})

@@ -48,11 +48,15 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """A store the engine may consider finished now (its writes go on)."""
+    """A store the engine may consider finished now (its writes go on). A store given up
+    (``give_up_store``) names its blocks that were never filled: ``unstored`` keys, and those of
+    them whose DRAM slot no write will read (``slots_done``)."""
 
     job: object
     bytes: int
     seconds: float
+    unstored: tuple[bytes, ...] = ()
+    slots_done: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class _Job:
     filled_bytes: int = 0
     staged: int = 0
     released: bool = False
+    never_filled: set[int] = field(default_factory=set)  # a store given up: blocks refused their fill
+    reported: set[int] = field(default_factory=set)  # blocks whose outcome a Release already named
 
     def holds_engine_blocks(self) -> bool:
         return self.kind is Kind.LOAD or bool(self.unfilled)
@@ -178,6 +184,28 @@ class JobLedger:
         self.counters[C.STORE_JOBS_RELEASED_EARLY] += 1
         return Release(state.id, state.filled_bytes, now - state.started)
 
+    def give_up_store(self, part: object, refused: Sequence[int], now: float) -> Release | None:
+        """A stalled store (``pykv.stall``): no fill starts for its ``refused`` blocks (by index in the part)
+        any more. A ``Release`` once no block is left to fill (none: the engine had it already, or a fill
+        still runs): it names the refused blocks, and the job's end will not name them again."""
+        if part not in self._parts:  # it ended meanwhile
+            return None
+        state, indices = self._parts[part]
+        for i in refused:
+            if indices[i] in state.unfilled:
+                state.unfilled.discard(indices[i])
+                state.copy_failed.add(indices[i])
+                state.never_filled.add(indices[i])
+        if state.released or state.unfilled:
+            return None
+        state.released = True
+        state.reported |= state.never_filled
+        self.counters[C.STORE_JOBS_GIVEN_UP] += 1
+        gone = sorted(state.never_filled)
+        return Release(state.id, state.filled_bytes, now - state.started,
+                       unstored=tuple(state.keys[i] for i in gone),
+                       slots_done=tuple(state.keys[i] for i in gone if self.early_release and state.slots[i] is not None))
+
     def part_ended(self, part: object, failed: dict[int, BlockFailure], nbytes: int, now: float,
                    published: int = 0) -> JobEnd | None:
         """A part ended (``failed`` by index in the part); the job's ``JobEnd`` when it was the last."""
@@ -192,6 +220,15 @@ class JobLedger:
         return self._end_load(state, now) if state.kind is Kind.LOAD else self._end_store(state, now)
 
     # -- queries -------------------------------------------------------------------------------
+    def is_open(self, part: object) -> bool:
+        """Whether ``part`` has not ended."""
+        return part in self._parts
+
+    def kind_of(self, part: object) -> Kind | None:
+        """The kind of the job ``part`` belongs to (None: the part ended)."""
+        entry = self._parts.get(part)
+        return None if entry is None else entry[0].kind
+
     def holds_engine_blocks(self, jobs: Sequence[object]) -> bool:
         """Whether the engine must not reuse any of these jobs' blocks yet."""
         return any(state.holds_engine_blocks() for j in jobs if (state := self._jobs.get(j)) is not None)
@@ -226,10 +263,12 @@ class JobLedger:
         self.counters[C.STORE_PUBLISHED] += state.published
         failed_stores, pause = [], None
         for i, failure in sorted(state.failed.items()):
-            failed_stores.append((i, state.slots[i] is not None and i not in state.copy_failed))
             self.counters[C.STORE_BLOCKS_FAILED] += 1
+            if i not in state.reported:
+                failed_stores.append((i, state.slots[i] is not None and i not in state.copy_failed))
             if failure.medium_refuses_stores:
                 pause = failure
-        ended = tuple(i for i, s in enumerate(state.slots) if s is not None) if self.early_release else ()
+        ended = tuple(i for i, s in enumerate(state.slots)
+                      if s is not None and i not in state.reported) if self.early_release else ()
         return JobEnd(state.id, Kind.STORE, state.keys, state.bytes, now - state.started, dict(state.failed),
                       failed_stores=tuple(failed_stores), pause=pause, stores_ended=ended, released=state.released)

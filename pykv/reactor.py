@@ -154,12 +154,17 @@ class Reactor(LoadSteps, StoreSteps):
                     raise TimeoutError(f"job {job!r} did not finish in {timeout} s")
                 self._done.wait(remaining)
 
-    def close(self) -> None:
-        """Finish in-flight work (I/O and checks), stop the threads and close the backend."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish in-flight work (I/O and checks), stop the threads and close the backend. With
+        ``timeout``: False when the I/O in flight did not end within it (a stalled mount): the reactor
+        thread and the backend are left as they are (the caller must keep the memory they use)."""
         self._post(self._stop)
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
         self._verifier.close()
         self.backend.close()
+        return True
 
     # -- reactor thread ------------------------------------------------------------------------
     def _post(self, command: Callable[[], None]) -> None:

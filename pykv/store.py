@@ -37,12 +37,14 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import Geometry
 from pykv.io.probe import direct_io_supported, open_backend
 from pykv.jobledger import JobEnd, JobLedger, Part, Release
+from pykv.policy import Kind
 from pykv.deviceset import DeviceSet
 from pykv.media import Medium, StripedMedium, open_medium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
 from pykv.residency import StorePause
+from pykv.stall import StallWatch
 from pykv.staging import StagingPool
 from pykv.tree import TreeOptions
 from pykv.counters import WorkerCounter as C
@@ -173,6 +175,9 @@ class BlockStore:
         self.counters[C.STAGING_HUGE_BYTES] = self.pool.huge_bytes() or 0
         self._lock = threading.Condition()
         self._stopped = False
+        self.stalls = StallWatch(config.io_deadline)  # reactor parts, given up after io_deadline without progress
+        self._stall_check_due = 0.0
+        self.io_stopped = True  # after stop_io: the reactor stopped (False: I/O in flight never returned)
         self.reactor = build_reactor(config, self.pool, self.devices, client=self, on_job_done=self._reactor_job_done)
         self.medium = self.reactor.medium
 
@@ -192,6 +197,8 @@ class BlockStore:
             if part.from_dram:
                 self._serve_from_dram(part, loads)
             else:
+                with self._lock:
+                    self.stalls.watch(part.id, Kind.LOAD, len(loads), self._clock())
                 self.reactor.submit_load(part.id, loads, owner=owner, urgent=urgent)
 
     def submit_store(self, job: object, blocks: Sequence[BlockRef]) -> bool:
@@ -202,6 +209,7 @@ class BlockStore:
         slots = [self._pool_slot(b.dram_slot) for b in blocks]
         with self._lock:
             part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
+            self.stalls.watch(part.id, Kind.STORE, len(blocks), self._clock())
         locations = self.medium.place(self.namespace.id, [b.key for b in blocks])
         self.reactor.submit_store(part.id, [
             StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, **({"slot": s} if s is not None else {}))
@@ -224,9 +232,12 @@ class BlockStore:
             if not self.ledger.holds_engine_blocks(jobs):
                 return
         self.reactor.shed_stores(jobs, self._shed)
-        with self._lock:
-            while self.ledger.holds_engine_blocks(jobs):
-                self._lock.wait(1.0)
+        while True:
+            with self._lock:
+                if not self.ledger.holds_engine_blocks(jobs):
+                    return
+                self._lock.wait(min(1.0, self.stalls.deadline / 4))
+            self.check_stalls()  # a stalled mount holds them at most io_deadline
 
     def _shed(self, blocks: list[tuple[object, int]]) -> None:
         """The reactor dropped these store blocks before they had a slot (reactor thread)."""
@@ -251,15 +262,22 @@ class BlockStore:
         return stats
 
     def stop_io(self) -> None:
-        """Finish the I/O in flight and stop the reactor (the client's copies may still end)."""
+        """Finish the I/O in flight and stop the reactor (the client's copies may still end), waiting
+        at most ``io_deadline`` for I/O that does not return (a stalled mount)."""
         if not self._stopped:
             self._stopped = True
-            self.reactor.close()
+            self.io_stopped = self.reactor.close(timeout=self.config.io_deadline)
+            if not self.io_stopped:
+                log.warning("pykv worker %d: I/O to %s did not return within io_deadline (%.0f s); its staging "
+                            "memory stays allocated until the process exits", self.engine.rank,
+                            ", ".join(self.config.root_paths), self.config.io_deadline)
 
     def close(self) -> None:
-        """Stop the reactor and free the staging memory (after the client's copier stopped)."""
+        """Stop the reactor and free the staging memory (after the client's copier stopped); memory a
+        read or write that never returned may still write into or read from is kept."""
         self.stop_io()
-        self.pool.close()
+        if self.io_stopped:
+            self.pool.close()
 
     # -- the DRAM tier -------------------------------------------------------------------------
     def _pool_slot(self, dram_slot: int | None) -> int | None:
@@ -314,47 +332,114 @@ class BlockStore:
 
     # -- the reactor's callbacks (reactor thread) -------------------------------------------------
     def fill(self, requests: list[FillRequest]) -> None:
+        now = self._clock()
         with self._lock:
-            located = [self.ledger.locate(r.job, r.index) for r in requests]
-        self.client.to_slots([SlotCopy(job, index, r.slot, r.length, token=r)
-                              for (job, index), r in zip(located, requests)], self._filled)
+            allowed = [self.stalls.may_copy(r.job, r.index, now) for r in requests]
+            granted = [r for r, ok in zip(requests, allowed) if ok]
+            located = [self.ledger.locate(r.job, r.index) for r in granted]
+        for r, ok in zip(requests, allowed):
+            if not ok:  # a store given up: the engine may have reused its blocks
+                self.reactor.filled(r.transfer, False)
+        if granted:
+            self.client.to_slots([SlotCopy(job, index, r.slot, r.length, token=r)
+                                  for (job, index), r in zip(located, granted)], self._filled)
 
     def _filled(self, copy: SlotCopy, ok: bool) -> None:
         request: FillRequest = copy.token
         with self._lock:
             if self.ledger.filled(request.job, request.index, ok, request.length):
                 self._lock.notify_all()
+            settled = self.stalls.copy_ended(request.job, request.index, ok, self._clock())
+        if settled:
+            self._release_given_up(request.job)
         self.reactor.filled(request.transfer, ok)
 
     def staged(self, part: object, index: int) -> None:
         """Block ``index`` of a store is whole in its slot, header included."""
         with self._lock:
+            self.stalls.progress(part, self._clock())
             release = self.ledger.staged(part, self._clock())
         if release is not None:
             self.client.store_released(release)
 
     def deliver(self, blocks: list[ReadyBlock]) -> None:
+        now = self._clock()
         with self._lock:
-            located = [self.ledger.locate(b.job, b.index) for b in blocks]
-        self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, token=b)
-                                for (job, index), b in zip(located, blocks)], self._delivered)
+            allowed = [self.stalls.may_copy(b.job, b.index, now) for b in blocks]
+            live = [b for b, ok in zip(blocks, allowed) if ok]
+            located = [self.ledger.locate(b.job, b.index) for b in live]
+        for b, ok in zip(blocks, allowed):
+            if not ok:  # a load given up: its engine blocks are being recomputed
+                self.reactor.consumed(b.transfer)
+        if live:
+            self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, token=b)
+                                    for (job, index), b in zip(located, live)], self._delivered)
 
     def _delivered(self, copy: SlotCopy, ok: bool) -> None:
         block: ReadyBlock = copy.token
-        if not ok:
-            with self._lock:
+        with self._lock:
+            if not ok:
                 self.ledger.copy_failed(block.job, block.index)
+            settled = self.stalls.copy_ended(block.job, block.index, ok, self._clock())
+        if settled:
+            self._end_given_up_load(block.job)
         self.reactor.consumed(block.transfer)
 
     def _reactor_job_done(self, result: JobResult) -> None:
-        self._part_ended(result.job, result.failed, result.bytes, result.published)
+        with self._lock:
+            dropped = self.stalls.given_up(result.job) and result.kind is Kind.LOAD  # ended when given up
+            self.stalls.forget(result.job)
+        if not dropped:
+            self._part_ended(result.job, result.failed, result.bytes, result.published)
+
+    # -- stalls ----------------------------------------------------------------------------------
+    def check_stalls(self) -> None:
+        """Give up the parts without progress for ``io_deadline`` (any thread; the client calls it
+        often, e.g. on each poll for finished jobs; it does work at most every deadline / 8)."""
+        now = self._clock()
+        with self._lock:
+            if now < self._stall_check_due:
+                return
+            self._stall_check_due = now + self.stalls.deadline / 8
+            due = self.stalls.due(now)
+            kinds = {part: self.ledger.kind_of(part) for part in due}
+        for part in due:
+            log.warning("pykv worker %d: %s job %s made no progress in %.0f s (a stalled mount?); given up",
+                        self.engine.rank, kinds[part].value if kinds[part] else "a", part, self.stalls.deadline)
+            if kinds[part] is Kind.LOAD:
+                self.counters[C.LOAD_JOBS_GIVEN_UP] += 1
+                self._end_given_up_load(part)
+            elif kinds[part] is Kind.STORE:
+                self._release_given_up(part)
+
+    def _end_given_up_load(self, part: object) -> None:
+        """A given-up load no copy is in flight for: every block not copied out failed (recomputed)."""
+        with self._lock:
+            if not self.stalls.settled(part) or not self.ledger.is_open(part):
+                return
+            end = self.ledger.part_ended(part, self.stalls.load_failures(part), 0, self._clock())
+        if end is not None:
+            self._carry_out(end)
+
+    def _release_given_up(self, part: object) -> None:
+        """A given-up store: its blocks without a fill never get one; the engine has it once none is filled."""
+        with self._lock:
+            if not self.stalls.settled(part):
+                return
+            release = self.ledger.give_up_store(part, sorted(self.stalls.refused(part)), self._clock())
+            self._lock.notify_all()
+        if release is not None:
+            self.client.store_released(release)
 
     # -- ends ----------------------------------------------------------------------------------
     def _part_ended(self, part: object, failed: dict[int, BlockFailure], nbytes: int, published: int = 0) -> None:
         with self._lock:
             end = self.ledger.part_ended(part, failed, nbytes, self._clock(), published)
-        if end is None:
-            return
+        if end is not None:
+            self._carry_out(end)
+
+    def _carry_out(self, end: JobEnd) -> None:
+        """What the ledger decided at a job's end: quarantine, pause, tell the client."""
         for index in end.quarantine:
             self._quarantine(end.keys[index], end.failures[index])
         if end.pause is not None:

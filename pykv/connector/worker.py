@@ -152,7 +152,9 @@ class PykvWorker(OffloadingWorker):
             self.store.release_preloads(req_id)
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs done since the last call; their failures become reportable in this same step."""
+        """Jobs done since the last call; their failures become reportable in this same step. Jobs without
+        progress for ``io_deadline`` end here as failed (``BlockStore.check_stalls``)."""
+        self.store.check_stalls()
         with self._lock:
             finished, self._finished = self._finished, []
             now = time.monotonic()
@@ -275,10 +277,13 @@ class PykvWorker(OffloadingWorker):
         self.copier.from_slots(self._tasks(copies, load=True), lambda task, ok: done(task.token, ok))
 
     def store_released(self, release: Release) -> None:
-        """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release)."""
+        """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release); or one
+        given up after io_deadline, whose unfilled blocks are reported unstored in the same step."""
+        report = WorkerReport()
+        report.failed_stores = [(key, False) for key in release.unstored]
+        report.stores_ended = [(key, self.rank) for key in release.slots_done]
         with self._lock:
-            self._finished.append((TransferResult(release.job, True, release.bytes, release.seconds), [],
-                                   WorkerReport()))
+            self._finished.append((TransferResult(release.job, True, release.bytes, release.seconds), [], report))
 
     def job_ended(self, end: JobEnd) -> None:
         report, failed_ids = WorkerReport(), []
