@@ -9,7 +9,7 @@ turn, so every block arrives late and together; fewer in flight deliver them one
 
     python benchmarks/bench_depth.py --dirs /mnt/l0,/mnt/l1 [--blocks 16] [--depths 16,8,4,2]
 
-Run 15's CPU figures (docs/benchmarks.md) came from 4 ext4 loop devices on images in /dev/shm.
+Run 15's CPU figures (benchmarks/results/history/29-run-15-copy-check-depth.md) came from 4 ext4 loop devices on images in /dev/shm.
 No GPU; a directory on tmpfs itself takes no O_DIRECT and measures buffered reads instead.
 """
 

@@ -60,7 +60,7 @@ def test_load_job_fields_read_both_namings():
 def test_the_report_of_run_1_shows_its_load_bandwidths():
     text, md, summary = build_report(load_records([str(RUN1)]))
     virtio = summary["media"]["virtio"]["lengths"]
-    assert round(virtio[8192]["load_gb_per_s"], 2) == 1.86  # docs/benchmarks.md, run 1
+    assert round(virtio[8192]["load_gb_per_s"], 2) == 1.86  # run 1: benchmarks/results/history/06-connector-h200-runs-1-5.md
     assert "L=8,192: disk-hit load 1.86 GB/s" in text and "| 8,192 |" in md
 
 

@@ -85,7 +85,7 @@ class PreloadRunner(Runner):
                                      "removed_files": files, "removed_bytes": removed})
                         self.record({"kind": "drop_caches", "stage": self.stage, "ok": drop_caches()})
                     # the same DRAM as the native tier's CPU tier in front of its fs tier (run 4 gave pykv
-                    # none and it re-read every reused document from disk: docs/benchmarks.md)
+                    # none and it re-read every reused document from disk: benchmarks/results/history/13-preloading-runs-4-5.md)
                     ktc = self.pykv_ktc(root, dram_bytes=self.burst_dram_bytes(), verify="header")
                     extra = ktc["kv_connector_extra_config"]
                     extra["preload"] = variant == "preload-on"

@@ -23,7 +23,7 @@ QUERIES = [("defaults", {}), ("depth4", {"io_depth": 4}), ("repeat", {}), ("dept
 (``io_depth`` 16, ``verify_threads`` auto), 4 reads in flight per device, the defaults again (the
 spread between engines of one configuration: 0.55-0.82 s at 80k in run 15), 8 reads in flight, the
 thread pool, no checksum, run 13's default of 4 hashing threads. (Run 17 also tried ``scatter_slots``,
-out-of-order loads through a device scratch: slower, removed; docs/benchmarks.md.)"""
+out-of-order loads through a device scratch: slower, removed; benchmarks/results/history/31-run-17-scatter-ceiling.md.)"""
 
 
 def stage_s5(runner) -> None:
