@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 
@@ -103,6 +104,34 @@ def test_a_sparse_terabyte_marker_is_never_read(tmp_path, command):
     result = run(*command, tree.root)
     assert one_error_line(result, "more than the 1048576 allowed here"), result.output
     assert paths[0].exists()
+
+
+def plant_marker(root: Path, kind: str, other: Path) -> None:
+    marker = root / MARKER_NAME
+    os.unlink(marker)
+    if kind == "symlink":
+        marker.symlink_to(other / MARKER_NAME)  # another tree's sound marker
+    elif kind == "fifo":
+        os.mkfifo(marker)
+    elif kind == "device":
+        os.mknod(marker, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero
+    elif kind == "directory":
+        marker.mkdir()
+        (marker / "inside").write_text("someone's data")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "device", "directory"])
+def test_an_engine_init_and_config_refuse_a_marker_that_is_no_file_at_once(tmp_path, kind):
+    tree, paths = tree_with_blocks(tmp_path / "tree", 1)
+    other = KVTree.create(tmp_path / "other")
+    plant_marker(tree.root, kind, other.root)
+    with deadline(10), pytest.raises(NotATreeError, match="unreadable tree marker"):
+        DeviceSet.create([tree.root])
+    for command in (["init"], ["config", "--root"]):
+        assert one_error_line(run(*command, tree.root), "unreadable tree marker")
+    result = run("doctor", tree.root)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert paths[0].exists() and os.path.lexists(tree.root / MARKER_NAME)
 
 
 # -- namespace.json -----------------------------------------------------------------------------
