@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from pykv.auth import KeyFileError, load_key_ring, write_key_file
 from pykv.calibration.file import CalibrationError
 from pykv.calibration.gate import BreakEvenGate
 from pykv.commands.app import app
@@ -180,3 +181,35 @@ def test_no_deserializer_of_code_under_any_alias_anywhere_in_pykv():
     offenders = {str(p.relative_to(REPO)): found for p in sources
                  if (found := _deserializers(ast.parse(p.read_text(), filename=str(p))))}
     assert offenders == {}
+
+
+# -- the key file: anything but a small private regular file --------------------------------------
+def _key_file_kinds(path: Path, kind: str, tmp_path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "device":
+        os.symlink("/dev/zero", path)  # a link to a device: followed (the path is configuration), then refused
+    elif kind == "sparse-terabyte":
+        with open(path, "wb") as f:
+            f.truncate(1 << 40)
+        os.chmod(path, 0o600)
+    elif kind == "link-to-a-readable-file":
+        readable = tmp_path / "readable"
+        write_key_file(readable, {"k1": bytes(range(32))})
+        os.chmod(readable, 0o644)
+        os.symlink(readable, path)
+    elif kind == "not-utf8":
+        path.write_bytes(b"k1 \xff\xfe" + b"0" * 62 + b"\n")
+        os.chmod(path, 0o600)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "sparse-terabyte", "link-to-a-readable-file", "not-utf8"])
+def test_a_key_file_that_is_no_small_private_file_is_one_line_at_once(tmp_path, kind):
+    path = tmp_path / "keys"
+    _key_file_kinds(path, kind, tmp_path)
+    with deadline(5), pytest.raises(KeyFileError) as raised:
+        load_key_ring(path)
+    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+    tree = KVTree.create(tmp_path / "tree")
+    result = run("fsck", tree.root, "--key-file", path)
+    assert one_error_line(result, str(path)), result.output
