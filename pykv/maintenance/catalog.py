@@ -15,6 +15,11 @@ A dir whose mtime is within ``RACY_NS`` of the moment it was listed is stored
 untrusted (mtime NULL) and listed again next time: a file created in the same
 timestamp tick as the listing would otherwise leave the mtime unchanged.
 
+The catalog lies in the tree, so its rows are as untrusted as the files: a row that is not
+one path component is dropped, and a leaf whose rows hold a size or a time no listing writes
+(below 0 or beyond the file system's capacity; after the scan began) is listed again. A
+catalog or journal that is a link, or a file with another hard link, is never opened.
+
 The serving path never opens this file. Any SQLite failure (locked, corrupt,
 read-only) makes ``scan_tree`` fall back to a plain walk.
 """
