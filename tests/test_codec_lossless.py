@@ -216,3 +216,11 @@ def test_fuzz_frames_with_damaged_headers(codec):
             damaged = bytearray(stored)
             damaged[offset] = value
             refused_or_exact(codec, bytes(damaged), len(payload))
+
+
+@pytest.mark.parametrize("elem", [1, 4])
+def test_other_value_sizes_round_trip(elem):
+    codec = PlanesZstdCodec(elem=elem, chunk=CHUNK)
+    payload = torch.randn(10_000).numpy().tobytes()  # float32: four planes, or one
+    stored = codec.encode(payload)
+    assert len(stored) < len(payload) and codec.decode_bytes(stored, len(payload)) == payload

@@ -129,17 +129,16 @@ class PlanesZstdCodec(Codec):
     def _decode_chunk(self, stored: memoryview, out: np.ndarray, start: int, size: int,
                       spans: list[tuple[int, int]]) -> None:
         plane_len = size // self.elem
-        region = out[start:start + size]
-        scratch = None
-        for plane, (position, length) in enumerate(spans):
+        restored = []
+        for position, length in spans:
             data = stored[position:position + length]
             if length == plane_len:
-                planes.merge_plane(region, plane, self.elem, data)
-                continue
-            if scratch is None:
-                scratch = np.empty(plane_len, dtype=np.uint8)
-            self._inflate(data, scratch)
-            planes.merge_plane(region, plane, self.elem, scratch)
+                restored.append(np.frombuffer(data, dtype=np.uint8))
+            else:
+                plane = np.empty(plane_len, dtype=np.uint8)
+                self._inflate(data, plane)
+                restored.append(plane)
+        planes.merge(out[start:start + size], restored, self.elem)
 
     def _inflate(self, frame: memoryview, into: np.ndarray) -> None:
         """Decode one zstd frame declaring exactly ``len(into)`` bytes into ``into``."""

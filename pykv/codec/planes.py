@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
+WORDS = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+"""Little-endian unsigned words of each value size: byte ``i`` of a value is ``word >> 8 i``
+(shifts run at memory speed; gathering every other byte with a strided copy is ~10x slower)."""
+
 
 def split(values: memoryview, elem: int) -> list[np.ndarray]:
     """The ``elem`` planes of ``values`` (a length that is a multiple of ``elem``), plane ``i``
     holding byte ``i`` of every value, each a new contiguous array."""
-    grid = np.frombuffer(values, dtype=np.uint8).reshape(-1, elem)
-    return [np.ascontiguousarray(grid[:, i]) for i in range(elem)]
+    words = np.frombuffer(values, dtype=WORDS[elem])
+    return [(words >> (8 * i)).astype(np.uint8) if i else words.astype(np.uint8) for i in range(elem)]
 
 
-def merge_plane(dst: np.ndarray, plane: int, elem: int, data: np.ndarray | memoryview) -> None:
-    """Write ``data`` (one byte per value) as byte ``plane`` of every ``elem``-byte value in
-    ``dst`` (a writable uint8 array of ``len(data) * elem`` bytes)."""
-    source = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    dst.reshape(-1, elem)[:, plane] = source
+def merge(dst: np.ndarray, planes: list[np.ndarray], elem: int) -> None:
+    """Interleave ``planes`` (one byte per value each, plane ``i`` = byte ``i``) into ``dst``, a
+    writable uint8 array of ``len(planes[0]) * elem`` bytes."""
+    words = dst.view(WORDS[elem])
+    np.copyto(words, planes[0], casting="unsafe")  # zero-extends the low byte
+    for i in range(1, elem):
+        words |= np.left_shift(planes[i], 8 * i, dtype=WORDS[elem])
