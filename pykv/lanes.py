@@ -154,11 +154,13 @@ class LaneCalls:
             return []
         until = self._clock() + self.deadline
         batch: _Batch[Result] = _Batch(len(items))
+        refused = 0
         for index, (lane, item) in enumerate(items):
             if not self._lanes[lane].put(_Call(call, item, batch, index), self.deadline):
                 batch.answer(index, None)
+                refused += 1
         results, missing = batch.wait(until, self._clock)
-        self.unanswered += missing
+        self.unanswered += missing + refused
         return results
 
     def start(self, call: Callable[[Item], object], items: Sequence[tuple[int, Item]]) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ class Volume:
 
     meta: str
     mounts: tuple[Path, ...]
+    pids: tuple[int, ...] = ()
 
 
 def juicefs_binary() -> str | None:
@@ -64,8 +66,9 @@ def _tail(log: Path) -> str:
 
 
 @contextmanager
-def juicefs_volume(work: Path, clients: int = 3) -> Iterator[Volume]:
-    """Format a volume under ``work`` and mount it ``clients`` times; unmount and reap on exit."""
+def juicefs_volume(work: Path, clients: int = 3, mount_options: tuple[str, ...] = ()) -> Iterator[Volume]:
+    """Format a volume under ``work`` and mount it ``clients`` times (``juicefs mount`` flags
+    ``mount_options`` added); unmount and reap on exit. ``Volume.pids``: each client's process."""
     binary = juicefs_binary()
     assert binary is not None
     work.mkdir(parents=True, exist_ok=True)
@@ -83,15 +86,35 @@ def juicefs_volume(work: Path, clients: int = 3) -> Iterator[Volume]:
             out = (work / f"client{i}.log").open("ab")
             process = subprocess.Popen(
                 [binary, "mount", meta, str(point), "--no-usage-report", "--backup-meta", "0", "--no-syslog",
-                 "--cache-dir", str(work / f"cache{i}"), "--cache-size", "256"],
+                 "--cache-dir", str(work / f"cache{i}"), "--cache-size", "256", *mount_options],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             out.close()
             mounts.append((point, process))
             _wait_mounted(point, process, work / f"client{i}.log")
-        yield Volume(meta, tuple(point for point, _ in mounts))
+        yield Volume(meta, tuple(point for point, _ in mounts), tuple(process.pid for _, process in mounts))
     finally:
         for point, process in reversed(mounts):
             _unmount(binary, point, process)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants: a foreground ``juicefs mount`` supervises a child that serves FUSE,
+    so stalling the mount means stopping both."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
 
 
 def _wait_mounted(point: Path, process: subprocess.Popen, log: Path) -> None:
@@ -105,7 +128,11 @@ def _wait_mounted(point: Path, process: subprocess.Popen, log: Path) -> None:
 
 
 def _unmount(binary: str, point: Path, process: subprocess.Popen) -> None:
-    """``juicefs umount`` (forced if something still holds it), then reap the client process."""
+    """``juicefs umount`` (forced if something still holds it), then reap the client process (woken
+    first, in case a test stopped it)."""
+    if process.poll() is None:
+        for pid in process_tree(process.pid):
+            os.kill(pid, signal.SIGCONT)
     for extra in ([], ["--force"]):
         if not os.path.ismount(point):
             break

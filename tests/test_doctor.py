@@ -22,7 +22,7 @@ from pykv.maintenance.doctor import ProbeRefused, Verdict, diagnose
 from pykv.maintenance.fsck import Problem, fsck
 from pykv.tree import EVICT_RECORD_NAME, MARKER_NAME, PROBE_NAME, temp_name
 
-ITEMS = ["tree", "mount", "space", "eviction", "publish", "rename", "dir_fsync", "atime", "clock", "o_direct",
+ITEMS = ["tree", "mount", "responsive", "stall_behaviour", "space", "eviction", "publish", "rename", "dir_fsync", "atime", "clock", "o_direct",
          "io_uring", "hash_seed", "other_clients"]
 SEEDED = {"PYTHONHASHSEED": "0"}
 
@@ -43,7 +43,8 @@ def test_a_tree_on_a_local_disk_passes_and_is_left_as_it_was(tmp_path):
     report = diagnose(tree.root, environ=SEEDED)
     assert [d.item for d in report.diagnoses] == ITEMS
     assert report.of("tree").verdict is Verdict.OK and tree.identity in report.of("tree").detail
-    for item in ("publish", "rename", "dir_fsync", "atime", "clock", "o_direct", "space", "mount", "hash_seed"):
+    for item in ("publish", "rename", "dir_fsync", "atime", "clock", "o_direct", "space", "mount", "hash_seed",
+                 "responsive"):
         assert report.of(item).verdict is Verdict.OK, report.of(item)
     assert report.of("io_uring").verdict is (Verdict.OK if uring_available()[0] else Verdict.WARN)
     assert report.of("other_clients").verdict is Verdict.SKIP

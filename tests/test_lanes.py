@@ -62,6 +62,7 @@ def test_a_stalled_lane_costs_the_deadline_once_then_answers_at_once_and_never_d
     began = time.monotonic()
     assert calls.run(check, items) == first  # lane 1 is stalled: answered None without waiting
     assert time.monotonic() - began < DEADLINE / 2
+    assert calls.unanswered == 10  # refused at once counts too
     assert calls.start(check, items) == 5  # stamps for the stalled lane are not even queued
     stall.set()  # the mount wakes: the lane answers again
     deadline = time.monotonic() + 5

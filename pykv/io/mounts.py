@@ -60,14 +60,15 @@ def parse_mountinfo(text: str) -> list[Mount]:
     return mounts
 
 
-def mount_of(directory: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> Mount | None:
+def mount_of(directory: str | os.PathLike[str], mountinfo: str = MOUNTINFO, *, resolve: bool = True) -> Mount | None:
     """The mount holding ``directory`` (the last-mounted one at the longest matching mount point);
-    None where ``mountinfo`` cannot be read."""
+    None where ``mountinfo`` cannot be read. ``resolve=False``: the absolute path as written, without
+    asking the file system (which a stalled mount would never answer)."""
     try:
         text = Path(mountinfo).read_text(errors="replace")
     except OSError:
         return None
-    real = os.path.realpath(directory)
+    real = os.path.realpath(directory) if resolve else os.path.abspath(directory)
     best: Mount | None = None
     for mount in parse_mountinfo(text):
         point = mount.mount_point

@@ -17,15 +17,13 @@ the directory is touched.
 from __future__ import annotations
 
 import contextlib
-import enum
 import fcntl
 import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from pykv.errors import InputError, MembershipError, NotATreeError
 from pykv.format import FORMAT_VERSION
@@ -36,7 +34,9 @@ from pykv.io.openat2 import RESOLVE_NO_SYMLINKS
 from pykv.io.probe import direct_io_supported
 from pykv.io.safe_paths import read_small
 from pykv.io.uring import UringBackend, uring_available
+from pykv.maintenance.diagnosis import Diagnosis, DoctorReport, Verdict
 from pykv.maintenance.evict_record import eviction_status
+from pykv.maintenance.stall_check import check_responsive, stall_behaviour
 from pykv.media.posix import READ_FLAGS, WRITE_FLAGS
 from pykv.membership import check_membership
 from pykv.roots import foreign_entries, refuse_inside_tree
@@ -49,54 +49,8 @@ URING_TIMEOUT_S = 10.0
 _TIME_SLACK_NS = 2_000_000_000  # coarse timestamp granularity (2 s on FAT-like file systems)
 
 
-class Verdict(enum.Enum):
-    """How one item came out; the order is the severity."""
-
-    OK = "ok"
-    SKIP = "skip"
-    WARN = "warn"
-    FAIL = "fail"
-
-
-_SEVERITY = {Verdict.OK: 0, Verdict.SKIP: 0, Verdict.WARN: 1, Verdict.FAIL: 2}
-
-
 class ProbeRefused(InputError):
     """The directory holds someone else's files: doctor writes no probe into it."""
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """One item's verdict and one line why."""
-
-    item: str
-    verdict: Verdict
-    detail: str
-
-
-@dataclass(frozen=True)
-class DoctorReport:
-    """Every item probed on ``root``."""
-
-    root: Path
-    diagnoses: tuple[Diagnosis, ...]
-
-    @property
-    def verdict(self) -> Verdict:
-        """The worst verdict (``OK`` when nothing was worse than skipped)."""
-        return max((d.verdict for d in self.diagnoses), key=_SEVERITY.__getitem__, default=Verdict.OK)
-
-    @property
-    def failed(self) -> bool:
-        return self.verdict is Verdict.FAIL
-
-    def of(self, item: str) -> Diagnosis:
-        return next(d for d in self.diagnoses if d.item == item)
-
-    def as_dict(self) -> dict[str, Any]:
-        counts = {v.value: sum(d.verdict is v for d in self.diagnoses) for v in Verdict}
-        return {"root": str(self.root), "verdict": self.verdict.value, "counts": counts,
-                "checks": [{"item": d.item, "verdict": d.verdict.value, "detail": d.detail} for d in self.diagnoses]}
 
 
 def diagnose(root: Path | str, *, environ: Mapping[str, str] | None = None) -> DoctorReport:
@@ -107,10 +61,13 @@ def diagnose(root: Path | str, *, environ: Mapping[str, str] | None = None) -> D
     """
     root = Path(root)
     environ = os.environ if environ is None else environ
-    tree_check = _check_tree(root)
+    responsive = check_responsive(root)
+    if responsive.verdict is Verdict.FAIL:  # any other probe would hang on this mount too
+        return DoctorReport(root, (responsive, stall_behaviour(mount_of(root, resolve=False))))
     mount = mount_of(root)
+    tree_check = _check_tree(root)
     read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
-    diagnoses = [tree_check, _check_mount(mount, read_only), _check_space(root)]
+    diagnoses = [tree_check, _check_mount(mount, read_only), responsive, stall_behaviour(mount), _check_space(root)]
     if tree_check.verdict is Verdict.OK:  # what the engines' eviction last recorded here
         status = eviction_status(KVTree.open(root))
         diagnoses.append(Diagnosis("eviction", Verdict.WARN if status.flagged else Verdict.OK, status.line()))
