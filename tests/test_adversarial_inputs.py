@@ -1,9 +1,6 @@
 """Adversarial tests for files pykv reads besides blocks (docs/adversarial-matrix.md): state files
 in ``.pykv`` nested past Python's stack, the inputs an engine or ``pykv warm`` reads, and the
 promise that nothing is ever unpickled, checked by a scan that sees through import aliases.
-
-Tests marked ``xfail(strict=True)`` show a defect in a module this change does not touch (named
-in the reason); they pass, and then fail as XPASS, once it is fixed there.
 """
 
 from __future__ import annotations
@@ -87,8 +84,6 @@ def test_a_gc_record_nested_past_the_stack_is_no_record(tmp_path):
 
 
 # -- what pykv warm and an engine read besides the tree --------------------------------------------
-@pytest.mark.xfail(strict=True, reason="pykv/jobs/warm.py parse_prompt_line catches only JSONDecodeError: a line "
-                                       "nested past the stack is a RecursionError traceback (exit 1)")
 def test_a_prompt_line_nested_past_the_stack_is_a_bad_line(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "x"}\n{"prompt_token_ids": ' + DEEP + "\n")
@@ -96,7 +91,6 @@ def test_a_prompt_line_nested_past_the_stack_is_a_bad_line(tmp_path):
         read_prompts(prompts)
 
 
-@pytest.mark.xfail(strict=True, reason="pykv/jobs/warm.py: see test_a_prompt_line_nested_past_the_stack_is_a_bad_line")
 def test_warm_names_a_prompt_line_nested_past_the_stack_in_one_line(tmp_path):
     root = tmp_path / "tree"
     KVTree.create(root)
@@ -106,8 +100,6 @@ def test_warm_names_a_prompt_line_nested_past_the_stack_in_one_line(tmp_path):
     assert one_error_line(result, f"{prompts}:1: "), result.output
 
 
-@pytest.mark.xfail(strict=True, reason="pykv/calibration/file.py Calibration.load catches only ValueError: a "
-                                       "breakeven_file nested past the stack stops the engine with a RecursionError")
 def test_a_breakeven_file_nested_past_the_stack_is_a_calibration_error(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text(DEEP)
@@ -115,8 +107,6 @@ def test_a_breakeven_file_nested_past_the_stack_is_a_calibration_error(tmp_path)
         BreakEvenGate.from_file(path, ENGINE, setting="breakeven_file")
 
 
-@pytest.mark.xfail(strict=True, reason="pykv/calibration/file.py Calibration.load reads with Path.read_text: a FIFO "
-                                       "as breakeven_file blocks the engine's start forever (no O_NONBLOCK, no fstat)")
 def test_a_breakeven_file_that_is_a_fifo_never_blocks_the_engine(tmp_path):
     path = tmp_path / "calibration.json"
     os.mkfifo(path)
@@ -124,6 +114,13 @@ def test_a_breakeven_file_that_is_a_fifo_never_blocks_the_engine(tmp_path):
     with deadline(5), pytest.raises(CalibrationError):  # (the deadline's TimeoutError is an OSError: load
         BreakEvenGate.from_file(path, ENGINE, setting="breakeven_file")  # turns it into a CalibrationError)
     assert time.monotonic() - started < 4
+
+
+def test_a_breakeven_file_linked_to_an_endless_device_is_refused_unread(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.symlink_to("/dev/zero")
+    with deadline(5), pytest.raises(CalibrationError, match="cannot read"):
+        BreakEvenGate.from_file(path, ENGINE, setting="breakeven_file")
 
 
 # -- nothing is ever unpickled: a scan that sees through aliases -----------------------------------

@@ -14,19 +14,14 @@ from typing import Any, Mapping
 from pykv.calibration.fit import TIERS, TierCalibration
 from pykv.errors import InputError
 from pykv.io.atomic import write_atomically
+from pykv.io.safe_paths import read_small
 
+MAX_FILE_BYTES = 1 << 20
+"""A calibration file is a few KiB; a larger one is refused unread."""
 SCHEMA_KEY = "pykv_calibration"
 SCHEMA_VERSION = 1
 IDENTITY_FIELDS = ("model", "dtype", "kv_layout")
 """What a calibration must share with the engine that uses it (else the engine refuses to start)."""
-
-
-class CalibrationError(InputError):
-    """A calibration file cannot be used; the message names the file and the field."""
-
-    def __init__(self, source: object, field_name: str, reason: str) -> None:
-        super().__init__(f"{source}: {field_name}: {reason}")
-        self.source, self.field, self.reason = source, field_name, reason
 
 
 class CalibrationError(InputError):
@@ -104,8 +99,8 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Calibration":
-        try:
-            text = Path(path).read_text()
+        try:  # a regular file of at most MAX_FILE_BYTES, opened without blocking (a FIFO, a device: refused)
+            text = read_small(path, limit=MAX_FILE_BYTES).decode()
         except OSError as exc:
             raise CalibrationError(path, "(file)", f"cannot read: {exc.strerror or exc}") from None
         except UnicodeDecodeError:
@@ -114,6 +109,8 @@ class Calibration:
             data = json.loads(text)
         except ValueError as exc:
             raise CalibrationError(path, "(file)", f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise CalibrationError(path, "(file)", "malformed JSON: nested too deeply") from None
         return cls.from_json(data, path)
 
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -80,6 +80,8 @@ def parse_prompt_line(text: str, line: int) -> WarmPrompt:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     has_text, has_ids = "prompt" in data, "prompt_token_ids" in data

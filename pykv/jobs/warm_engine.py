@@ -126,9 +126,12 @@ def _quarantine(manager: Any, keys: Sequence[bytes]) -> None:
     """Move these blocks out of the way as an engine with the key file would on their first hit."""
     run = f"warm-{socket.gethostname()}-{os.getpid()}"
     for key in keys:
-        path = manager.medium.locate(manager.namespace.id, key)
+        tree = manager.devices.holder(manager.namespace.id, key)
+        if tree is None:
+            continue
+        path = tree.block_path(manager.namespace.id, key)
         try:
-            manager.medium.quarantine(path, run)
+            tree.quarantine(path, run)
         except FileNotFoundError:
             continue
         except OSError as exc:  # left in place: its load fails and it shows as not stored
