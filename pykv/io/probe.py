@@ -13,6 +13,7 @@ from pykv.io.backend import IoBackend, IoRequest, OpKind
 from pykv.io.memory import ALIGNMENT, aligned_buffer
 from pykv.io.threadpool import ThreadPoolBackend
 from pykv.io.uring import UringBackend, uring_available
+from pykv.treenames import PROBE_NAME, temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> tuple[bool, str]:
     memory_fs = _MEMORY_FILESYSTEMS.get(_filesystem_magic(directory))
     if memory_fs:
         return False, f"{directory}: {memory_fs} is memory-backed, O_DIRECT would bypass no cache"
-    from pykv.tree import PROBE_NAME, temp_name  # named as a pykv temp: fsck cleans what a killed engine left
-    path = os.path.join(os.fspath(directory), temp_name(PROBE_NAME))
+    path = os.path.join(os.fspath(directory), temp_name(PROBE_NAME))  # a pykv temp: fsck cleans what a kill left
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
