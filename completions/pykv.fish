@@ -7,7 +7,7 @@ complete -c pykv -n __fish_use_subcommand -a inspect -d 'Show namespaces with fi
 complete -c pykv -n __fish_use_subcommand -a gc -d 'Delete least-recently-accessed blocks until the tree fits in --max-size.'
 complete -c pykv -n __fish_use_subcommand -a fsck -d 'Check every file of the tree; exit 1 while problems remain.'
 complete -c pykv -n __fish_use_subcommand -a init -d 'Make ROOT a pykv tree (writes its marker), creating ROOT if missing but never its parents.'
-complete -c pykv -n __fish_use_subcommand -a doctor -d 'Probe a tree\'s mount (or an empty directory): publication by hard link, O_DIRECT, io_uring, atime, free space, the tree marker, the hash seed, and the engines\' eviction as last recorded (warns when STUCK or the record is unreadable).'
+complete -c pykv -n __fish_use_subcommand -a doctor -d 'Probe a tree\'s mount (or an empty directory): whether it answers, publication by hard link, O_DIRECT, io_uring, atime, free space, the tree marker, the hash seed, and the engines\' eviction as last recorded (warns when STUCK or the record is unreadable).'
 complete -c pykv -n __fish_use_subcommand -a bench -d 'Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed).'
 complete -c pykv -n __fish_use_subcommand -a config -d 'Print the JSON for vLLM\'s --kv-transfer-config that loads pykv (every key validated, every root checked as the engine will check it).'
 complete -c pykv -n __fish_use_subcommand -a calibrate -d 'Measure recompute and cache-hit TTFT per length and tier; write the break-even calibration file.'

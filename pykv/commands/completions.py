@@ -80,8 +80,8 @@ def _path_kind(param: Any) -> str | None:
         is_path = annotation is Path or Path in args or any(Path in getattr(a, "__args__", ()) for a in args)
     else:
         is_path = type(getattr(param, "type", None)).__name__ == "Path"
-    if not is_path:
-        return None
+    if not is_path:  # a text argument named like a directory (doctor's ROOT: text so typer never stats it)
+        return "dir" if getattr(param, "metavar", None) in ("ROOT", "DIR") else None
     kind = getattr(param, "type", None)
     if getattr(kind, "file_okay", True) is False or param.name in ("root", "roots", "path") or param.metavar == "DIR":
         return "dir"

@@ -19,10 +19,10 @@ DoctorRoot = Annotated[str, typer.Argument(
 
 
 def doctor_command(root: DoctorRoot, as_json: JsonFlag = False) -> None:
-    """Probe a tree's mount (or an empty directory): publication by hard link, O_DIRECT, io_uring,
-    atime, free space, the tree marker, the hash seed, and the engines' eviction as last recorded
-    (warns when STUCK or the record is unreadable), and whether the mount answers at all: on a
-    stalled mount it answers within 10 s. Exit 1 when an item fails."""
+    """Probe a tree's mount (or an empty directory): whether it answers, publication by hard link,
+    O_DIRECT, io_uring, atime, free space, the tree marker, the hash seed, and the engines' eviction
+    as last recorded (warns when STUCK or the record is unreadable). On a stalled mount it answers
+    within 10 s. Exit 1 when an item fails."""
     report = diagnose(Path(root))
     emit(report.as_dict(), as_json=as_json, render=_render)
     if report.failed:
