@@ -375,7 +375,8 @@ def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
     from pykv.connector.connector import PykvOffloadingConnector
 
     seen = []
-    fake_manager = SimpleNamespace(gate=BreakEvenGate({}), survey_request=lambda *args: seen.append(args))
+    fake_manager = object.__new__(PykvManager)  # pykv's manager, its survey recorded
+    fake_manager.survey_request = lambda *args: seen.append(args)
     group = SimpleNamespace(tokens_per_chunk=64, hashes_per_chunk=4, group_idx=3)
     connector = object.__new__(PykvOffloadingConnector)
     connector.connector_scheduler = SimpleNamespace(manager=fake_manager,
@@ -387,11 +388,11 @@ def test_connector_hands_the_manager_vllms_keys_before_looking_up(monkeypatch):
     assert connector.get_num_new_matched_tokens(request, 16) == (0, False)
     expected = [compat.make_offload_key(hashes[3], 3), compat.make_offload_key(hashes[7], 3)]
     assert seen == [("r1", [(64, expected)], 16), "super"]
-    fake_manager.gate = None  # no gate: the survey still finds the blocks at once
     seen.clear()
     connector.get_num_new_matched_tokens(request, 0)
     assert seen == [("r1", [(64, expected)], 0), "super"]
-    del fake_manager.survey_request  # a manager that is not pykv's: nothing before vLLM's lookups
+    # a manager that is not pykv's (another spec's): nothing before vLLM's lookups
+    connector.connector_scheduler.manager = SimpleNamespace(survey_request=lambda *args: seen.append(args))
     seen.clear()
     connector.get_num_new_matched_tokens(request, 0)
     assert seen == ["super"]

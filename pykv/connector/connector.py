@@ -15,9 +15,10 @@ asserts every transfer succeeded); this subclass adds one:
 - scheduler side: ``update_connector_output`` hands that report to ``PykvManager``
   before vLLM completes the jobs of the same step, so failed keys are forgotten
   before the request is looked up again.
-  With a break-even gate configured, ``get_num_new_matched_tokens`` first hands
-  the manager the request's block keys (built as vLLM builds them), so it can
-  refuse a load below the threshold before vLLM's chunk-by-chunk lookups run.
+  ``get_num_new_matched_tokens`` first hands the manager the request's block keys
+  (built as vLLM builds them), so its block index finds them at once and, with a
+  break-even gate, refuses a load below the threshold before vLLM's chunk-by-chunk
+  lookups run.
 
 Preloading (scheduler-aware, on stock vLLM): ``on_new_request`` hands each
 request's block keys (built as vLLM builds them) to ``PykvManager`` while the
@@ -48,7 +49,9 @@ from pykv.errors import InputError
 
 from pykv.connector import compat, offload_keys
 from pykv.connector.compat import OffloadingConnector, OffloadingConnectorMetadata, OffloadingWorkerMetadata
+from pykv.connector.manager import PykvManager
 from pykv.connector.spec import WorkerReport
+from pykv.connector.worker import PykvWorker
 
 
 @dataclass
@@ -149,9 +152,10 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     # -- worker side ---------------------------------------------------------------------------
     @property
-    def _pykv_worker(self) -> Any:
+    def _pykv_worker(self) -> PykvWorker | None:
+        """The worker side's ``PykvWorker`` (None on the scheduler, or under another spec's worker)."""
         worker = compat.connector_offloading_worker(self)
-        return worker if hasattr(worker, "take_report") else None
+        return worker if isinstance(worker, PykvWorker) else None
 
     def _request_level_failures(self) -> bool:
         """Whether failed loads go to vLLM as requests (``failed_recving``), not blocks: when vLLM's
@@ -201,17 +205,23 @@ class PykvOffloadingConnector(OffloadingConnector):
         return PykvWorkerMetadata.wrap(meta, report)
 
     # -- scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def _pykv_manager(self) -> PykvManager | None:
+        """The scheduler side's ``PykvManager`` (None on a worker, or under another spec's manager)."""
         manager = compat.connector_offloading_manager(self)
-        if hasattr(manager, "survey_request"):  # the request's blocks at once (and the break-even gate) first
+        return manager if isinstance(manager, PykvManager) else None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        manager = self._pykv_manager
+        if manager is not None:  # the request's blocks at once (and the break-even gate) first
             groups = [(g.tokens_per_chunk, keys) for g, keys in self._keys_per_group(request)]
             manager.survey_request(request.request_id, groups, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)
 
     # -- preloading: scheduler side ------------------------------------------------------------------
-    def _preload_manager(self) -> Any:
-        manager = compat.connector_offloading_manager(self)
-        return manager if getattr(manager, "preloads", None) is not None else None
+    def _preload_manager(self) -> PykvManager | None:
+        manager = self._pykv_manager
+        return manager if manager is not None and manager.preloads is not None else None
 
     def _keys_per_group(self, request: Any) -> list[tuple[Any, list[bytes]]]:
         """(group config, the request's offload keys in that group) as vLLM builds them
@@ -252,19 +262,19 @@ class PykvOffloadingConnector(OffloadingConnector):
     # -- scheduler side: worker feedback -------------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
         meta = compat.connector_worker_meta(connector_output)
-        manager = compat.connector_offloading_manager(self)
-        if isinstance(meta, PykvWorkerMetadata) and meta.report and hasattr(manager, "on_worker_report"):
+        manager = self._pykv_manager
+        if isinstance(meta, PykvWorkerMetadata) and meta.report and manager is not None:
             manager.on_worker_report(meta.report)
         super().update_connector_output(connector_output)
-        if self._reset_fence.reported(compat.completed_jobs(meta)) and hasattr(manager, "on_reset_flushed"):
+        if self._reset_fence.reported(compat.completed_jobs(meta)) and manager is not None:
             manager.on_reset_flushed()
 
     def shutdown(self) -> None:
         """vLLM's shutdown, then the manager's (its evictor thread) where this vLLM's scheduler side
         does not forward it; the manager's is idempotent."""
         super().shutdown()
-        manager = compat.connector_offloading_manager(self)
-        if hasattr(manager, "shutdown"):
+        manager = self._pykv_manager
+        if manager is not None:
             manager.shutdown()
 
     def reset_cache(self) -> Any:
@@ -274,7 +284,7 @@ class PykvOffloadingConnector(OffloadingConnector):
         in_flight = compat.in_flight_jobs(self.connector_scheduler)
         result = super().reset_cache()
         self._reset_fence.add(in_flight)
-        manager = compat.connector_offloading_manager(self)
-        if not self._reset_fence.due and hasattr(manager, "on_reset_flushed"):
+        manager = self._pykv_manager
+        if not self._reset_fence.due and manager is not None:
             manager.on_reset_flushed()
         return result

@@ -1,8 +1,9 @@
 """``PykvManager``: the scheduler-side half of pykv (vLLM's ``OffloadingManager``).
 
 A translator, called from the engine core's scheduler loop only (one thread): it
-answers vLLM's lookups from the DRAM tier and the file tree (every rank's namespace),
-turns ``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s
+answers vLLM's lookups and plans its loads through ``pykv.block_index.BlockIndex`` (a
+request's survey over the DRAM tier and the file tree of every rank's namespace, the
+break-even gate, the load plan's tiers), turns ``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s
 into events of ``pykv.residency.DramResidency`` (the pure ledger that decides every
 DRAM slot assignment, so the worker processes need no shared state), and hands
 the workers plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``.
@@ -29,7 +30,8 @@ from collections import Counter
 from typing import Any, Collection
 
 from pykv.auth import load_key_ring
-from pykv.calibration import BreakEvenGate, most_reusable
+from pykv.block_index import BlockIndex
+from pykv.calibration import BreakEvenGate
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.maintenance.gauges import GaugeSample
 from pykv.counters import CounterFile, Metric, SchedulerCounter
@@ -84,9 +86,7 @@ class PykvManager(OffloadingManager):
         _, dram_slots = slot_counts(pykv, config)
         self.residency = DramResidency(dram_slots, pykv.dram_policy, early_release=True,
                                        workers=len(self.rank_namespaces))
-        self._tiers = (Tier.DRAM, Tier.DISK) if dram_slots else (Tier.DISK,)  # where its loads can come from
         self.store_pause = StorePause(pykv.store_retry_interval)
-        self._load_tiers: tuple[str | None, dict[bytes, Tier]] = (None, {})  # the last prepare_load's tiers
         self.preloads = PreloadPlanner(pykv.preload_look_ahead, pykv.preload_max_bytes // slot_bytes(config)) \
             if pykv.preload else None
         self.counters: Counter[str] = Counter()
@@ -103,9 +103,7 @@ class PykvManager(OffloadingManager):
         if pykv.auth_key_file:  # checked at start (the workers hold the keys): a bad key file stops the engine
             ring = load_key_ring(pykv.auth_key_file)
             log.info("pykv: authenticated blocks, %s", ring)
-        self._gate_refused: str | None = None  # the request whose lookups the gate answers MISS
-        self._surveyed: str | None = None  # the request surveyed last, and where its blocks are:
-        self._survey_tiers: dict[bytes, Tier | None] = {}  # vLLM's lookups right after reuse them
+        self.index = BlockIndex(self.residency, self.presence, self.gate, counters=self.counters, timing=self.timing)
         log.info("pykv: tree %s, namespace %s, DRAM tier %d slots (%s)", _roots(pykv), self.namespace.id,
                  dram_slots, pykv.dram_policy if dram_slots else "off")
 
@@ -118,125 +116,36 @@ class PykvManager(OffloadingManager):
     def early_release(self) -> bool:
         return self.residency.early_release
 
-    # -- lookups and loads ---------------------------------------------------------------------
+    # -- lookups and loads (the block index's) -------------------------------------------------
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        if self._gate_refused is not None and req_context.req_id == self._gate_refused:
-            return LookupResult.MISS
-        if req_context.req_id == self._surveyed and key in self._survey_tiers:
-            tier = self._survey_tiers[key]  # surveyed just before: no second stat per block
-        else:
-            tier = self.tier_of(key)
-        return LookupResult.MISS if tier is None else LookupResult.HIT
+        return LookupResult.HIT if self.index.lookup(req_context.req_id, key) else LookupResult.MISS
 
     def tier_of(self, key: bytes) -> Tier | None:
         """Where a load of ``key`` would come from now (None: a miss)."""
-        if self.residency.slot_of(key) is not None:
-            return Tier.DRAM
-        return Tier.DISK if self.on_disk(key) else None
+        return self.index.tier_of(key)
 
     def on_disk(self, key: bytes) -> bool:
         """Whether every rank's file of ``key`` is published (one stat per rank; a device that does not
         answer within ``lookup_deadline`` counts as a miss)."""
-        return self.presence.find([key])[0] is True
+        return self.index.on_disk(key)
 
     def survey_request(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> None:
-        """Before a request's lookups (connector hook): where each block it would load is, found at
-        once when its first block is stored (the disk checks on ``lookups``' threads; ``lookup`` then
-        answers from them); with a gate, refuse its load if the reusable prefix is below its tier's
-        break-even length (``lookup`` then answers MISS for it and vLLM recomputes)."""
-        began, self.timing[SchedulerCounter.SURVEY_BEGAN_NS] = time.perf_counter(), time.time_ns()
-        refused = self._survey(req_id, groups, num_computed_tokens)
-        self.timing[SchedulerCounter.SURVEY_ENDED_NS] = time.time_ns()
-        self.timing[SchedulerCounter.SURVEYS] += 1
-        self.timing[SchedulerCounter.SURVEY_US] += int((time.perf_counter() - began) * 1e6)
-        if refused:
+        """Before a request's lookups (connector hook): ``BlockIndex.survey`` (where its blocks are, the
+        disk checks at once on ``presence``'s threads; with a gate, whether its load is refused)."""
+        if self.index.survey(req_id, groups, num_computed_tokens):
             self._write_stats()
 
-    def _survey(self, req_id: str, groups: list[tuple[int, list[bytes]]], num_computed_tokens: int) -> bool:
-        """``survey_request``'s work; True when the gate refused the request's load."""
-        self._gate_refused = None
-        self._surveyed, self._survey_tiers = req_id, {}
-        tiers = self._survey_tiers
-        if self.gate is not None:
-            deciding = time.perf_counter()
-            unlooked = self.gate.refuses_any_load_of(most_reusable(groups, num_computed_tokens), self._tiers)
-            self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
-            if unlooked:  # shorter than the threshold of every tier it has: no lookup could admit it
-                return self._refuse(req_id, 0)
-        self._find_tiers([key for tokens_per_block, keys in groups
-                          for key in keys[num_computed_tokens // tokens_per_block:]], tiers)
-        if self.gate is None:
-            return False
-
-        def tier_of(key: bytes) -> Tier | None:
-            if key not in tiers:
-                tiers[key] = self.tier_of(key)
-            return tiers[key]
-
-        deciding = time.perf_counter()
-        decision = self.gate.decide(groups, num_computed_tokens, tier_of)
-        self.timing[SchedulerCounter.GATE_US] += int((time.perf_counter() - deciding) * 1e6)
-        if decision.admitted:
-            return False
-        return self._refuse(req_id, decision.hit_tokens)
-
-    def _refuse(self, req_id: str, hit_tokens: int) -> bool:
-        """The gate refused ``req_id``'s load (of ``hit_tokens`` found; 0 when refused unlooked)."""
-        self._gate_refused = req_id
-        self.counters[Metric.GATE_REFUSALS] += 1
-        self.counters[Metric.GATE_REFUSED_TOKENS] += hit_tokens
-        return True
-
-    def _find_tiers(self, keys: list[bytes], tiers: dict[bytes, Tier | None]) -> None:
-        """Each of ``keys``' tier into ``tiers``: the first alone (a miss there loads nothing, so
-        nothing further is looked at), then DRAM residency inline and the disk checks at once."""
-        if not keys:
-            return
-        tiers[keys[0]] = self.tier_of(keys[0])
-        if tiers[keys[0]] is None:
-            return
-        disk = []
-        for key in dict.fromkeys(keys[1:]):
-            if key in tiers:
-                continue
-            if self.residency.slot_of(key) is not None:
-                tiers[key] = Tier.DRAM
-            else:
-                disk.append(key)
-        for key, stored in zip(disk, self.presence.find(disk)):
-            tiers[key] = Tier.DISK if stored else None
-
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> PykvLoadSpec:
-        """DRAM hits are pinned and served from their slot; disk hits get their atime stamped (gc
-        recency; on the lookup threads, after this returns) and, with a DRAM tier, a pending slot
-        to be promoted into."""
-        slots, resident, tiers, stamped = [], [], {}, []
-        for key in keys:
-            slot = self.residency.pin_hit(key)
-            if slot is not None:
-                tiers[key] = Tier.DRAM
-                self.counters[Metric.HITS_DRAM] += 1
-            else:
-                tiers[key] = Tier.DISK
-                stamped.append(key)
-                self.counters[Metric.HITS_DISK] += 1
-                slot = _slot_or_none(self.residency.promotion_slot(key))
-            slots.append(slot)
-            resident.append(tiers[key] is Tier.DRAM)
-        self.presence.stamp(stamped)  # off the scheduler's step: the load needs no atime
+        """``BlockIndex.plan_load``: DRAM hits pinned, disk hits stamped and promoted into a pending slot."""
+        plan = self.index.plan_load(req_context.req_id, keys)
         self._preload_done(req_context.req_id)
-        self._load_tiers = (req_context.req_id, tiers)
-        self.timing[SchedulerCounter.LOAD_PLANNED_NS] = time.time_ns()
         self._write_stats()
-        return PykvLoadSpec(list(keys), slots, resident, req_id=req_context.req_id)
+        return PykvLoadSpec(list(plan.keys), [_slot_or_none(s) for s in plan.slots], list(plan.resident),
+                            req_id=req_context.req_id)
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
-        """The tier a hit is loaded from (vLLM labels the request's cached tokens with it): host
-        memory for a DRAM hit, disk for a file (as ``prepare_load`` found it, which vLLM has
-        just called for this request)."""
-        req_id, tiers = self._load_tiers
-        tier = tiers.get(key) if req_id == req_context.req_id else None
-        return compat.cache_hit_source(tier or self.tier_of(key))
+        """The tier a hit is loaded from (vLLM labels the request's cached tokens with it)."""
+        return compat.cache_hit_source(self.index.load_source(req_context.req_id, key))
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         self.residency.touch(keys)
@@ -333,7 +242,7 @@ class PykvManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Forget the DRAM tier (slots a transfer in flight still uses stay taken; ``DramResidency.reset``)."""
         self.residency.reset()
-        self._load_tiers = (None, {})
+        self.index.reset()
 
     def on_reset_flushed(self) -> None:
         """(vLLM 33+; pykv's connector on older vLLM.) Workers finished every job in flight at the
