@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import xxhash
 
@@ -57,6 +57,12 @@ def rendezvous_top(key: bytes, seeds: Sequence[int], count: int) -> tuple[int, .
     """The indices of the ``count`` seeds that score ``key`` highest, highest first (the first on a tie)."""
     scores = [(-xxhash.xxh3_64_intdigest(key, seed), index) for index, seed in enumerate(seeds)]
     return tuple(index for _, index in sorted(scores)[:count])
+
+
+class Holds(Protocol):
+    """What ``DeviceSet.holding`` asks of each device: a ``KVTree``, or a medium over one."""
+
+    def contains(self, namespace_id: str, key: bytes) -> bool: ...
 
 
 class DeviceSet:
@@ -110,12 +116,21 @@ class DeviceSet:
         """The tree of ``key``'s first candidate."""
         return self.trees[self.index_of(key)]
 
+    def holding(self, namespace_id: str, key: bytes, *, choices: Sequence[int] | None = None,
+                on: Sequence[Holds] | None = None) -> int | None:
+        """The first of ``key``'s candidates (``choices``: computed already) whose device holds the block
+        published, as ``on[i].contains`` says (default: the trees; a striped medium asks its leaf media);
+        None: none does."""
+        places: Sequence[Holds] = self.trees if on is None else on
+        for index in self.candidates(key) if choices is None else choices:
+            if places[index].contains(namespace_id, key):
+                return index
+        return None
+
     def holder(self, namespace_id: str, key: bytes) -> KVTree | None:
         """The first of ``key``'s candidate trees that holds the block published (None: none does)."""
-        for index in self.candidates(key):
-            if self.trees[index].contains(namespace_id, key):
-                return self.trees[index]
-        return None
+        index = self.holding(namespace_id, key)
+        return None if index is None else self.trees[index]
 
     def ensure_namespace(self, namespace: Namespace) -> None:
         """The namespace directory and record on every device (``OSError`` of the first that fails,

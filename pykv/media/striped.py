@@ -72,11 +72,11 @@ class StripedMedium(Medium):
     def locate(self, namespace_id: str, key: bytes) -> Path:
         """The first candidate holding the block (the first candidate when none does)."""
         choices = self.devices.candidates(key)
-        index = self._holder(namespace_id, key, choices)
+        index = self.devices.holding(namespace_id, key, choices=choices, on=self.media)
         return self.media[choices[0] if index is None else index].locate(namespace_id, key)
 
     def contains(self, namespace_id: str, key: bytes) -> bool:
-        return self._holder(namespace_id, key, self.devices.candidates(key)) is not None
+        return self.devices.holding(namespace_id, key, on=self.media) is not None
 
     def place(self, namespace_id: str, keys: Sequence[bytes]) -> list[Path]:
         """Each block on its candidate holding it already; the others each on the candidate least
@@ -85,7 +85,7 @@ class StripedMedium(Medium):
         found = []
         for key in keys:  # the existence checks outside the lock
             choices = self.devices.candidates(key)
-            found.append((choices, self._holder(namespace_id, key, choices)))
+            found.append((choices, self.devices.holding(namespace_id, key, choices=choices, on=self.media)))
         chosen, options = [], []
         with self._placing:
             used = [0] * len(self.media)
@@ -101,13 +101,6 @@ class StripedMedium(Medium):
                 pass
             self._recent.extend(chosen)
         return [self.media[index].locate(namespace_id, key) for index, key in zip(chosen, keys)]
-
-    def _holder(self, namespace_id: str, key: bytes, choices: tuple[int, ...]) -> int | None:
-        """The first of ``choices`` whose medium holds the block (None: none does)."""
-        for index in choices:
-            if self.media[index].contains(namespace_id, key):
-                return index
-        return None
 
     def touch(self, location: Path) -> bool:
         return self._of(location).touch(location)
