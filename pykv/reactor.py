@@ -40,7 +40,7 @@ from pykv.media.base import Medium
 from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
 from pykv.reactor_loads import LoadSteps
 from pykv.reactor_stores import StoreSteps
-from pykv.reactor_types import (STATS, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
+from pykv.reactor_types import (STATS, Awaiting, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
                                 ReadyBlock, StoreBlock, StoreSource, TransferState, backend_depth, segment_count,
                                 slot_header)
 from pykv.reactor_verify import PayloadVerifier
@@ -252,30 +252,25 @@ class Reactor(LoadSteps, StoreSteps):
             self._deliver(action)
 
     def _complete(self, completion: IoCompletion) -> None:
-        op, tid, *part = completion.token
+        awaiting, tid, *part = completion.token
         result = completion.result
-        if op == "close":
+        if awaiting is Awaiting.CLOSE:
             if result < 0:
                 log.warning("close failed: %s", os.strerror(-result))
             return
         t = self._transfers[tid]
-        if op == "open":
-            self._on_opened(tid, t, result)
-        elif op == "read":
-            self._on_read(tid, t, result)
-        elif op == "segment":
+        if awaiting is Awaiting.SEGMENT:
             self._on_segment(tid, t, part[0], result)
-        elif op == "wopen":
-            self._on_write_opened(tid, t, result)
-        elif op == "write":
-            self._on_wrote(tid, t, result)
-        elif op == "fsync":
-            self._on_synced(tid, t, result)
+            return
+        handler = {Awaiting.OPEN: self._on_opened, Awaiting.READ: self._on_read,
+                   Awaiting.WRITE_OPEN: self._on_write_opened, Awaiting.WRITE: self._on_wrote,
+                   Awaiting.FSYNC: self._on_synced}[awaiting]
+        handler(tid, t, result)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _close(self, t: TransferState) -> None:
         if t.fd >= 0:
-            self.backend.submit([IoRequest(OpKind.CLOSE, ("close", None), fd=t.fd)])
+            self.backend.submit([IoRequest(OpKind.CLOSE, (Awaiting.CLOSE, None), fd=t.fd)])
             t.fd = -1
 
     def _fail(self, t: TransferState, failure: BlockFailure) -> None:

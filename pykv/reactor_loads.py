@@ -17,7 +17,7 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader, TruncatedError, check_file_size
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Deliver, Kind, Stage
-from pykv.reactor_types import JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
+from pykv.reactor_types import Awaiting, JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
 
 
 class LoadSteps:
@@ -82,7 +82,7 @@ class LoadSteps:
     # -- open, read, check -----------------------------------------------------------------------
     def _open_request(self, tid: int, t: TransferState) -> IoRequest:
         spec = self.medium.open_for_read(t.block.path)
-        return IoRequest(OpKind.OPEN, ("open", tid), path=spec.path, flags=spec.flags, mode=spec.mode,
+        return IoRequest(OpKind.OPEN, (Awaiting.OPEN, tid), path=spec.path, flags=spec.flags, mode=spec.mode,
                          resolve=spec.resolve)
 
     def _on_opened(self, tid: int, t: TransferState, result: int) -> None:
@@ -90,7 +90,7 @@ class LoadSteps:
             try:
                 t.size = self.medium.check_opened(result)
             except OSError as exc:  # a planted FIFO, device or directory: refused before any read
-                self.backend.submit([IoRequest(OpKind.CLOSE, ("close", None), fd=result)])
+                self.backend.submit([IoRequest(OpKind.CLOSE, (Awaiting.CLOSE, None), fd=result)])
                 result = -(exc.errno or errno.EIO)
         if result < 0:
             self._fail(t, os_failure(Step.OPEN, result))
@@ -101,7 +101,7 @@ class LoadSteps:
 
     def _read_request(self, tid: int, t: TransferState) -> IoRequest:
         length = self.pool.slot_bytes - t.done
-        return IoRequest(OpKind.READ, ("read", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
+        return IoRequest(OpKind.READ, (Awaiting.READ, tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
                          length=length, offset=t.done)
 
     def _first_reads(self, tid: int, t: TransferState) -> list[IoRequest]:
@@ -113,7 +113,7 @@ class LoadSteps:
             return [self._read_request(tid, t)]
         t.segments = [None] * count
         base = self.pool.address(t.slot)
-        return [IoRequest(OpKind.READ, ("segment", tid, i), fd=t.fd, address=base + i * segment,
+        return [IoRequest(OpKind.READ, (Awaiting.SEGMENT, tid, i), fd=t.fd, address=base + i * segment,
                           length=min(segment, size - i * segment), offset=i * segment) for i in range(count)]
 
     def _on_segment(self, tid: int, t: TransferState, index: int, result: int) -> None:

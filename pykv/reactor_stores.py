@@ -12,7 +12,7 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
-from pykv.reactor_types import FillRequest, StoreBlock, TransferState
+from pykv.reactor_types import Awaiting, FillRequest, StoreBlock, TransferState
 
 
 class StoreSteps:
@@ -67,7 +67,7 @@ class StoreSteps:
             self.policy.written(tid, ok=False)
             return None
         t.temp, spec = target.temp, target.open
-        return IoRequest(OpKind.OPEN, ("wopen", tid), path=spec.path, flags=spec.flags, mode=spec.mode,
+        return IoRequest(OpKind.OPEN, (Awaiting.WRITE_OPEN, tid), path=spec.path, flags=spec.flags, mode=spec.mode,
                          resolve=spec.resolve)
 
     def _zero_padding(self, t: TransferState) -> None:
@@ -76,7 +76,7 @@ class StoreSteps:
         view[start:t.expected] = bytes(t.expected - start)
 
     def _write_request(self, tid: int, t: TransferState) -> IoRequest:
-        return IoRequest(OpKind.WRITE, ("write", tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
+        return IoRequest(OpKind.WRITE, (Awaiting.WRITE, tid), fd=t.fd, address=self.pool.address(t.slot) + t.done,
                          length=t.expected - t.done, offset=t.done)
 
     def _on_write_opened(self, tid: int, t: TransferState, result: int) -> None:
@@ -97,7 +97,7 @@ class StoreSteps:
         if t.done < t.expected:
             self.backend.submit([self._write_request(tid, t)])
         elif self.medium.sync_before_publish:
-            self.backend.submit([IoRequest(OpKind.FSYNC, ("fsync", tid), fd=t.fd)])
+            self.backend.submit([IoRequest(OpKind.FSYNC, (Awaiting.FSYNC, tid), fd=t.fd)])
         else:
             self._publish(tid, t)
 

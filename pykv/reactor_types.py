@@ -6,6 +6,7 @@ Also the reactor thread's own per-job and per-block state (``JobState``,
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -15,6 +16,19 @@ from pykv.failures import BlockFailure
 from pykv.format import HEADER_SIZE, BlockHeader, Geometry, decode_header
 from pykv.policy import Kind
 from pykv.staging import StagingPool
+
+
+class Awaiting(enum.Enum):
+    """What an I/O request's completion answers (the first item of its token; the second is the
+    transfer, a ``SEGMENT``'s third its piece): the reactor dispatches completions on it."""
+
+    OPEN = "open"
+    READ = "read"
+    SEGMENT = "segment"  # one piece of a split first read
+    WRITE_OPEN = "open for write"
+    WRITE = "write"
+    FSYNC = "fsync"
+    CLOSE = "close"  # nobody waits for it: a failure is logged
 
 
 @dataclass(frozen=True)

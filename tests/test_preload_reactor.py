@@ -18,6 +18,7 @@ from pykv.io.probe import open_backend
 from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
+from pykv.reactor_types import Awaiting
 from pykv.staging import StagingPool, slot_bytes_for
 from pykv.tree import KVTree
 
@@ -45,7 +46,7 @@ class CountingBackend(IoBackend):
     def submit(self, requests):
         now = []
         for r in requests:
-            if r.op is OpKind.OPEN and r.token[0] == "open":
+            if r.op is OpKind.OPEN and r.token[0] is Awaiting.OPEN:
                 self.read_opens[r.path] += 1
             if r.op is OpKind.READ and self.hold_reads:
                 self._held.append(r)

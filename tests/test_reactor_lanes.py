@@ -15,6 +15,7 @@ from pykv.io.probe import open_backend
 from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, backend_depth
+from pykv.reactor_types import Awaiting
 from pykv.reactor_verify import THREAD_PREFIX
 from pykv.staging import StagingPool, slot_bytes_for
 from pykv.tree import KVTree
@@ -72,7 +73,7 @@ class StalledReads:
     def submit(self, requests) -> None:
         passed = []
         for r in requests:
-            if r.op is OpKind.OPEN and r.token[0] == "open":
+            if r.op is OpKind.OPEN and r.token[0] is Awaiting.OPEN:
                 self.paths[r.token[1]] = r.path
             stalled = r.op is OpKind.READ and self.paths.get(r.token[1]) in self.stalled and not self._flush
             (self.held if stalled else passed).append(r)
