@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pykv.deviceset import DeviceSet, rendezvous_top  # noqa: E402
-from pykv.store import open_store_medium  # noqa: E402
+from pykv.media.build import open_store_medium  # noqa: E402
 from pykv.tree import KVTree  # noqa: E402
 
 NAMESPACE = "00c0ffee"

@@ -35,11 +35,11 @@ from pykv.config import PykvConfig
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import Geometry
-from pykv.io.probe import direct_io_supported, open_backend
+from pykv.io.probe import open_backend
 from pykv.jobledger import JobEnd, JobLedger, Part, Release
 from pykv.policy import Kind
 from pykv.deviceset import DeviceSet
-from pykv.media import Medium, StripedMedium, open_medium
+from pykv.media.build import devices_take_direct, io_engine_for, open_store_medium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
@@ -107,34 +107,6 @@ def open_devices(config: PykvConfig) -> DeviceSet:
     """The tree on each of ``config``'s devices (``root`` or ``roots``) with the configured modes."""
     return DeviceSet.create(config.root_paths, TreeOptions(config.file_mode, config.dir_mode, config.fsync),
                             field=config.root_key)
-
-
-def open_store_medium(devices: DeviceSet, *, direct: bool = False) -> Medium:
-    """The medium blocks live on (the scheduler opens it for lookups too); ``direct``: O_DIRECT I/O.
-    One device: its POSIX medium; several: a striped medium over one per device."""
-    leaves = [open_medium("posix", tree, direct=direct) for tree in devices]
-    return leaves[0] if len(leaves) == 1 else StripedMedium(devices, leaves)
-
-
-def devices_take_direct(devices: DeviceSet) -> bool:
-    """Whether every device takes O_DIRECT (a set opens all alike: one that does not makes all buffered)."""
-    for tree in devices:
-        direct, why = direct_io_supported(tree.root)
-        if not direct:
-            log.info("pykv: %s does not take O_DIRECT (%s); using buffered I/O", tree.root, why)
-            return False
-    return True
-
-
-def io_engine_for(io_engine: str, medium: Medium) -> str:
-    """``io_engine`` with ``auto`` settled for ``medium``: io_uring where it reads with O_DIRECT, the
-    thread pool on a buffered medium. A buffered read of cached pages is a CPU copy that never
-    sleeps, so io_uring runs all of them on one thread (inline, or on one io-wq worker, which adds
-    workers only when one blocks), where the pool copies on all of its threads (docs/benchmarks.md)."""
-    if io_engine != "auto" or medium.opens_direct:
-        return io_engine
-    log.info("pykv: buffered I/O (no O_DIRECT on the medium): io_engine auto uses the thread pool")
-    return "threadpool"
 
 
 def build_reactor(config: PykvConfig, pool: StagingPool, devices: DeviceSet, *, client: object,

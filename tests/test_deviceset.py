@@ -16,7 +16,8 @@ from pykv.config import PykvConfig
 from pykv.deviceset import DeviceSet, rendezvous_index
 from pykv.errors import InputError, NotATreeError, RootError
 from pykv.media import StripedMedium
-from pykv.store import BlockStore, EngineShape, open_devices, open_store_medium
+from pykv.media.build import open_store_medium
+from pykv.store import BlockStore, EngineShape, open_devices
 from pykv.staging import slot_bytes_for
 from pykv.tree import MARKER_NAME, KVTree
 from tests.test_store import GEOMETRY, NS, Client, payload, submit

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, openat2
-from pykv.media import MEDIA, Medium, PosixMedium, open_medium
+from pykv.media import MEDIA, Medium, PosixMedium, StripedMedium, open_medium
 from pykv.namespace import Namespace
 from pykv.tree import KVTree, is_temp_name
 
@@ -31,9 +31,9 @@ def open_read(medium: PosixMedium, location) -> int:
 
 def test_the_registry_opens_a_medium_by_name(tmp_path):
     tree = KVTree.create(tmp_path / "tree")
-    assert MEDIA == {"posix": PosixMedium}
+    assert MEDIA == {"posix": PosixMedium, "striped": StripedMedium}
     assert isinstance(open_medium("posix", tree, direct=False), PosixMedium)
-    with pytest.raises(ValueError, match="unknown medium 'tape'; one of: posix"):
+    with pytest.raises(ValueError, match="unknown medium 'tape'; one of: posix, striped"):
         open_medium("tape", tree)
 
 

@@ -6,7 +6,7 @@ import hashlib
 from collections import Counter
 
 from pykv.deviceset import DeviceSet
-from pykv.store import open_store_medium
+from pykv.media.build import open_store_medium
 from pykv.tree import KVTree
 
 NS = "00c0ffee"

@@ -10,7 +10,7 @@ import pytest
 
 from pykv.bench import block_files
 from pykv.io.probe import direct_io_supported, uring_available
-from pykv.store import io_engine_for
+from pykv.media.build import io_engine_for
 
 
 class FakeMedium:

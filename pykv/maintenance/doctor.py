@@ -327,7 +327,7 @@ def _check_uring(probe: _ProbeDir, direct: bool) -> Diagnosis:
     if written != ALIGNMENT or read != ALIGNMENT or back[:] != pattern:
         return Diagnosis("io_uring", Verdict.FAIL, f"io_uring moved {written}/{read} bytes or wrong data ({mode}): "
                                                    "set io_engine=threadpool for this mount")
-    if not direct:  # what io_engine=auto makes of it (pykv.store.io_engine_for)
+    if not direct:  # what io_engine=auto makes of it (pykv.media.build.io_engine_for)
         return Diagnosis("io_uring", Verdict.OK, "io_uring opens, writes and reads a block file buffered; "
                                                  "io_engine=auto reads this mount through the thread pool")
     return Diagnosis("io_uring", Verdict.OK, f"io_uring opens, writes and reads a block file {mode}")

@@ -109,7 +109,7 @@ class StripedMedium(Medium):
         return self._of(location).open_for_read(location)
 
     def check_opened(self, fd: int) -> int:
-        return self.media[0].check_opened(fd)  # the set opens every device alike (``open_set_medium``)
+        return self.media[0].check_opened(fd)  # the set opens every device alike (``build.open_store_medium``)
 
     def prepare_write(self, location: Path) -> WriteTarget:
         return self._of(location).prepare_write(location)
