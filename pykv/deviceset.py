@@ -76,6 +76,9 @@ class DeviceSet:
         self._records = _refuse_overlaps(trees, field)
         self.trees = tuple(trees)
         self.seeds = tuple(int(tree.identity, 16) for tree in self.trees)
+        # longest first: the first root whose prefix a path has is its own (roots never nest)
+        self._prefixes = sorted(((os.path.join(os.fspath(tree.root), ""), i) for i, tree in enumerate(self.trees)),
+                                key=lambda item: -len(item[0]))
 
     @classmethod
     def open(cls, roots: Sequence[Path | str], options: TreeOptions | None = None, *,
@@ -131,6 +134,14 @@ class DeviceSet:
         """The first of ``key``'s candidate trees that holds the block published (None: none does)."""
         index = self.holding(namespace_id, key)
         return None if index is None else self.trees[index]
+
+    def device_of(self, path: Path | str) -> int:
+        """The index of the device whose root ``path`` lies under (``ValueError``: none's)."""
+        text = os.fspath(path)
+        for prefix, index in self._prefixes:
+            if text.startswith(prefix):
+                return index
+        raise ValueError(f"{text} is on none of the devices")
 
     def ensure_namespace(self, namespace: Namespace) -> None:
         """The namespace directory and record on every device (``OSError`` of the first that fails,

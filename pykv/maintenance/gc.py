@@ -44,14 +44,14 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from pykv.blockfile import check_block
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError, InputError, UnsafePathError
 from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_beneath
 from pykv.maintenance.catalog import scan_tree
-from pykv.maintenance.placement import device_of_path, device_shares
+from pykv.maintenance.placement import device_shares
 from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
 from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, replace_small
 from pykv.units import MAX_DURATION_S, MAX_SIZE
@@ -161,10 +161,10 @@ class GcResult:
 
 
 def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str] | None = None,
-            roots: Sequence[str | os.PathLike[str]] | None = None) -> GcResult:
+            devices: DeviceSet | None = None) -> GcResult:
     """Delete the plan's blocks, oldest access first, re-checking each just before (see the
     module's docstring); with ``root``, every unlink is relative to the root's fd; with
-    ``roots`` (a device set's), relative to the fd of the root the block lies under."""
+    ``devices``, relative to the fd of the root of the device the block lies on."""
     result = GcResult(plan.max_size, plan.total_bytes, plan.total_files, dry_run,
                       young_files=plan.young_files, young_bytes=plan.young_bytes)
     candidates = plan.candidates
@@ -194,7 +194,7 @@ def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str]
             continue
         if not dry_run:
             try:
-                base = root if roots is None else roots[device_of_path(roots, entry.path)]
+                base = root if devices is None else devices.roots[devices.device_of(entry.path)]
                 if base is None:
                     os.unlink(entry.path)
                 else:
@@ -264,12 +264,12 @@ def run_gc_devices(devices: DeviceSet, max_size: int, *, min_age_s: float = DEFA
     scans = [scan_tree(tree, use_catalog=use_catalog) for tree in devices]
     with collector_paused():
         result = collect(plan_gc([entry for scan in scans for entry in scan.entries], max_size, min_age_s=min_age_s),
-                         dry_run=dry_run, roots=devices.roots)
+                         dry_run=dry_run, devices=devices)
     result.finished_at = time.time()
     result.seconds = time.monotonic() - started
     freed = [[0, 0] for _ in range(len(devices))]
     for entry in result.deleted:
-        index = device_of_path(devices.roots, entry.path)
+        index = devices.device_of(entry.path)
         freed[index][0] += 1
         freed[index][1] += entry.size
     result.devices = [{**share.as_dict(), "freed_files": files, "freed_bytes": size}

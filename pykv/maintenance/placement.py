@@ -1,6 +1,6 @@
 """Where blocks sit in a device set, and which of them an engine with that set can reach.
 
-An engine over a ``DeviceSet`` looks a block up only on the two devices
+An engine over a ``DeviceSet`` looks a block up only on the candidate devices
 ``DeviceSet.candidates`` picks for its key. A block on any other device is *unreachable*
 for that set: it was stored before a device was added or removed (rendezvous hashing
 changed its candidates), or the set given here is only part of the one the engines use. Reports count such blocks per
@@ -79,9 +79,3 @@ def device_shares(devices: DeviceSet, entries: Sequence[Iterable[Entry]]) -> lis
     return shares
 
 
-def device_of_path(roots: Sequence[os.PathLike[str] | str], path: str) -> int:
-    """The index of the root that ``path`` lies under (roots of a set never nest)."""
-    for index, root in enumerate(roots):
-        if path.startswith(os.path.join(os.fspath(root), "")):
-            return index
-    raise ValueError(f"{path} is under none of the roots")

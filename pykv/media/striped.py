@@ -20,7 +20,6 @@ two candidates, both sound.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -46,20 +45,13 @@ class StripedMedium(Medium):
         self.devices, self.media = devices, tuple(media)
         self._recent: deque[int] = deque(maxlen=RECENT_PER_DEVICE * len(media))  # devices of the latest blocks
         self._placing = threading.Lock()
-        # longest first: the first root whose prefix a location has is its own (roots never nest)
-        self._prefixes = sorted(((os.path.join(os.fspath(root), ""), i) for i, root in enumerate(devices.roots)),
-                                key=lambda item: -len(item[0]))
 
     @property
     def lanes(self) -> int:
         return len(self.media)
 
     def lane(self, location: Path) -> int:
-        text = os.fspath(location)
-        for prefix, index in self._prefixes:
-            if text.startswith(prefix):
-                return index
-        raise ValueError(f"{text} is on none of the devices")
+        return self.devices.device_of(location)
 
     @property
     def opens_direct(self) -> bool:
