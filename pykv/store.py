@@ -15,7 +15,8 @@ every job and carries out what the ledger decides:
 
 The client (the vLLM worker, or any engine) implements ``StoreClient``: it copies
 between its memory and the slots (``to_slots``/``from_slots``) and hears how each
-job ended (``job_ended``, ``store_released``). All failures are typed
+job ended (``job_ended``, ``store_released``); those types live in ``pykv.store_types``
+(re-exported here). All failures are typed
 (``BlockFailure``). No vLLM and no torch here.
 """
 
@@ -27,80 +28,30 @@ import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Sequence
 
 from pykv.auth import load_key_ring
 from pykv.config import PykvConfig
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
-from pykv.format import Geometry
 from pykv.io.probe import open_backend
-from pykv.jobledger import JobEnd, JobLedger, Part, Release
+from pykv.jobledger import JobEnd, JobLedger, Part
 from pykv.policy import Kind
 from pykv.deviceset import DeviceSet
 from pykv.media.build import devices_take_direct, io_engine_for, open_store_medium
-from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
 from pykv.residency import StorePause
 from pykv.stall import StallWatch
 from pykv.staging import StagingPool
+from pykv.store_types import BlockRef, CopyDone, EngineShape, SlotCopy, StoreClient
 from pykv.tree import TreeOptions
 from pykv.counters import WorkerCounter as C
 
+__all__ = ["BlockRef", "BlockStore", "CopyDone", "EngineShape", "SlotCopy", "StoreClient", "build_reactor",
+           "open_devices"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineShape:
-    """What the engine knows and the configuration does not."""
-
-    namespace: Namespace
-    slot_bytes: int
-    transient_slots: int  # staging slots for reads, writes and preloads
-    dram_slots: int = 0  # DRAM-tier slots (0: no tier)
-    rank: int = 0
-    early_release: bool = False  # a store through DRAM slots ends once sealed in them (the writes go on)
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    """One block of a job: its key, its shape, and its DRAM-tier slot (``0..dram_slots-1``)
-    if it has one; ``resident``: a load whose bytes already sit in that slot."""
-
-    key: bytes
-    geometry: Geometry | None = None
-    dram_slot: int | None = None
-    resident: bool = False
-
-
-@dataclass(frozen=True)
-class SlotCopy:
-    """Copy ``length`` payload bytes of block ``index`` of ``job`` to or from ``slot``."""
-
-    job: object
-    index: int
-    slot: int
-    length: int
-    token: object = None  # the store's handle: hand the copy back unchanged
-
-
-CopyDone = Callable[[SlotCopy, bool], None]
-
-
-class StoreClient(Protocol):
-    def to_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
-        """Store: put each block's payload into its slot; ``done(copy, ok)`` once per copy, any thread."""
-
-    def from_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
-        """Load: copy each slot's payload out (one batch); ``done(copy, ok)`` once per copy, any thread."""
-
-    def job_ended(self, end: JobEnd) -> None:
-        """A job ended (any thread); ``end.released``: the client already had it (``store_released``)."""
-
-    def store_released(self, release: Release) -> None:
-        """A store may be considered finished now; its writes go on (reactor thread)."""
 
 
 def open_devices(config: PykvConfig) -> DeviceSet:
