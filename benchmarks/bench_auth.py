@@ -29,7 +29,7 @@ from pykv import auth  # noqa: E402
 from pykv.auth import load_key_ring, write_key_file  # noqa: E402
 from pykv.blockfile import encode_block  # noqa: E402
 from pykv.format import HEADER_SIZE, Geometry, decode_header  # noqa: E402
-from pykv.reactor_verify import PayloadVerifier  # noqa: E402
+from pykv.reactor.verify import PayloadVerifier  # noqa: E402
 
 TOKENS_PER_BLOCK = 256
 BYTES_PER_TOKEN = 2 * 28 * 8 * 128 * 2  # K and V, 28 layers, 8 KV heads, head dim 128, bf16: 112 KiB

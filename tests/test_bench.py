@@ -87,7 +87,7 @@ def test_files_pass_puts_the_same_number_of_blocks_on_every_device(tmp_path):
 def test_the_reactor_hashes_on_auto_or_given_verify_threads(tmp_path, monkeypatch):
     import os
     from pykv.bench import block_files
-    from pykv.reactor_verify import THREAD_PREFIX
+    from pykv.reactor.verify import THREAD_PREFIX
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     dirs = [tmp_path / f"d{i}" for i in range(6)]
     for d in dirs:

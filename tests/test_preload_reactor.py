@@ -18,7 +18,7 @@ from pykv.io.probe import open_backend
 from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import FillRequest, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock
-from pykv.reactor_types import Awaiting
+from pykv.reactor.types import Awaiting
 from pykv.staging import StagingPool, slot_bytes_for
 from pykv.tree import KVTree
 

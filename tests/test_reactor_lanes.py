@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import pykv.reactor_verify
+import pykv.reactor.verify
 from pykv.format import HEADER_SIZE, Geometry
 from pykv.io.backend import OpKind
 from pykv.io.probe import open_backend
 from pykv.media import PosixMedium
 from pykv.namespace import Namespace
 from pykv.reactor import LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, backend_depth
-from pykv.reactor_types import Awaiting
-from pykv.reactor_verify import THREAD_PREFIX
+from pykv.reactor.types import Awaiting
+from pykv.reactor.verify import THREAD_PREFIX
 from pykv.staging import StagingPool, slot_bytes_for
 from pykv.tree import KVTree
 
@@ -186,13 +186,13 @@ def verify_rig(tmp_path):
 def test_payload_checks_run_off_the_reactor_thread_and_a_corrupt_payload_is_still_refused(verify_rig, monkeypatch):
     tree, reactor, client = verify_rig
     checked_on: list[str] = []
-    real = pykv.reactor_verify.verify_payload
+    real = pykv.reactor.verify.verify_payload
 
     def recording(*args, **kwargs):
         checked_on.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pykv.reactor_verify, "verify_payload", recording)
+    monkeypatch.setattr(pykv.reactor.verify, "verify_payload", recording)
     blocks = store_blocks(tree, 0, 4)
     reactor.submit_store("s", blocks)
     assert reactor.wait_for("s", timeout=30).ok
@@ -216,7 +216,7 @@ def test_reads_go_on_while_a_block_is_being_verified(verify_rig, monkeypatch):
     blocks = store_blocks(tree, 0, 4)
     reactor.submit_store("s", blocks)
     assert reactor.wait_for("s", timeout=30).ok
-    real = pykv.reactor_verify.verify_payload
+    real = pykv.reactor.verify.verify_payload
     gate, others = threading.Event(), []
 
     def held_for_block_0(header, payload, *, path):
@@ -226,7 +226,7 @@ def test_reads_go_on_while_a_block_is_being_verified(verify_rig, monkeypatch):
             others.append(path)
         return real(header, payload, path=path)
 
-    monkeypatch.setattr(pykv.reactor_verify, "verify_payload", held_for_block_0)
+    monkeypatch.setattr(pykv.reactor.verify, "verify_payload", held_for_block_0)
     reactor.submit_load("first", as_loads(blocks[:1]))
     reactor.submit_load("rest", as_loads(blocks[1:]))
     assert reactor.wait_for("rest", timeout=30).ok  # read with block 0 still verifying
@@ -265,7 +265,7 @@ def test_stores_seal_on_the_verifier_threads_header_loads_start_none_and_close_s
 def test_a_stores_checksum_is_computed_on_a_verifier_thread_not_the_reactors(tmp_path, monkeypatch):
     import threading
 
-    import pykv.reactor_verify as reactor_verify
+    import pykv.reactor.verify as reactor_verify
     tree = KVTree.create(tmp_path / "tree")
     tree.ensure_namespace(NS)
     sealed_on = []
@@ -299,8 +299,8 @@ def test_stores_refused_before_any_io_still_finish_their_job(tmp_path, engine, m
     takes a while, so the reactor is asleep in the backend when it ends)."""
     import time
 
-    real = pykv.reactor_verify.seal_header
-    monkeypatch.setattr(pykv.reactor_verify, "seal_header",
+    real = pykv.reactor.verify.seal_header
+    monkeypatch.setattr(pykv.reactor.verify, "seal_header",
                         lambda *args: (time.sleep(0.05), real(*args))[1])
     tree = KVTree.create(tmp_path / "tree")
     tree.ensure_namespace(NS)

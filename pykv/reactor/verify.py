@@ -24,7 +24,7 @@ from pykv.auth import AuthError, KeyRing, authenticate, sign
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step
 from pykv.format import BlockHeader, build_header, encode_header, verify_payload
-from pykv.reactor_types import StoreBlock
+from pykv.reactor.types import StoreBlock
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Clients (the connector worker, ``pykv bench``, ``pykv warm``) submit jobs of
 storage blocks from any thread. The reactor opens files ahead, reads each block
 into a staging slot, checks its header (and payload checksum when asked, on the
-verifier threads of ``reactor_verify`` so hashing never stalls the I/O; with a key ring
+verifier threads of ``pykv.reactor.verify`` so hashing never stalls the I/O; with a key ring
 the block's MAC instead, and a block the ring refuses is a failed load) and
 hands every block that became ready in one iteration to the ``LoadSink`` as one
 batch; each of the medium's ``lanes`` (devices) gets its own in-flight depth.
@@ -13,7 +13,7 @@ to a temporary file and publishes it. ``shed_stores`` drops the blocks of stores
 wait for a slot when the client cannot wait for them (vLLM reusing their GPU blocks).
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
-schedules (this module), loads (``reactor_loads``) and stores (``reactor_stores``).
+schedules (this module), loads (``pykv.reactor.loads``) and stores (``pykv.reactor.stores``).
 
 Preloads: ``submit_preload(owner, blocks)`` reads blocks ahead for a request
 that still waits (``owner``); one preload per file however many owners want it.
@@ -38,15 +38,15 @@ from pykv.failures import BlockFailure, Step
 from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
 from pykv.media.base import Medium
 from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
-from pykv.reactor_loads import LoadSteps
-from pykv.reactor_stores import StoreSteps
-from pykv.reactor_types import (STATS, Awaiting, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
+from pykv.reactor.loads import LoadSteps
+from pykv.reactor.stores import StoreSteps
+from pykv.reactor.types import (STATS, Awaiting, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
                                 ReadyBlock, StoreBlock, StoreSource, TransferState, backend_depth, segment_count,
                                 slot_header)
-from pykv.reactor_verify import PayloadVerifier
+from pykv.reactor.verify import PayloadVerifier
 from pykv.staging import StagingPool
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # "pykv.reactor": one logger for the whole reactor
 
 SHED = BlockFailure(Step.SHED, detail="vLLM needed the GPU blocks back before a staging slot was free")
 

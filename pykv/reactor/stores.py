@@ -12,7 +12,7 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
-from pykv.reactor_types import Awaiting, FillRequest, StoreBlock, TransferState
+from pykv.reactor.types import Awaiting, FillRequest, StoreBlock, TransferState
 
 
 class StoreSteps:

@@ -17,7 +17,7 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader, TruncatedError, check_file_size
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Deliver, Kind, Stage
-from pykv.reactor_types import Awaiting, JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
+from pykv.reactor.types import Awaiting, JobResult, JobState, LoadBlock, ReadyBlock, TransferState, segment_count, slot_header
 
 
 class LoadSteps:
