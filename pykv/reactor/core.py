@@ -13,7 +13,9 @@ to a temporary file and publishes it. ``shed_stores`` drops the blocks of stores
 wait for a slot when the client cannot wait for them (vLLM reusing their GPU blocks).
 The decisions live in ``ReactorPolicy``; where a block lives and how it is opened,
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
-schedules (this module), loads (``pykv.reactor.loads``) and stores (``pykv.reactor.stores``).
+schedules (this module) and hands the steps to its collaborators: ``Loads``
+(``pykv.reactor.loads``) and ``Stores`` (``pykv.reactor.stores``), over the
+``ReactorContext`` they share (``pykv.reactor.context``: resources and transfers).
 
 Preloads: ``submit_preload(owner, blocks)`` reads blocks ahead for a request
 that still waits (``owner``); one preload per file however many owners want it.
@@ -35,14 +37,14 @@ from typing import Callable, Collection, Hashable, Sequence
 
 from pykv.auth import KeyRing
 from pykv.failures import BlockFailure, Step
-from pykv.io.backend import IoBackend, IoCompletion, IoRequest, OpKind
+from pykv.io.backend import IoBackend, IoCompletion, IoRequest
 from pykv.media.base import Medium
 from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
-from pykv.reactor.loads import LoadSteps
-from pykv.reactor.stores import StoreSteps
-from pykv.reactor.types import (STATS, Awaiting, FillRequest, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig,
-                                ReadyBlock, StoreBlock, StoreSource, TransferState, backend_depth, segment_count,
-                                slot_header)
+from pykv.reactor.context import ReactorContext
+from pykv.reactor.loads import Loads
+from pykv.reactor.stores import Stores
+from pykv.reactor.types import (STATS, Awaiting, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig, StoreBlock,
+                                StoreSource, TransferState)
 from pykv.reactor.verify import PayloadVerifier
 from pykv.staging import StagingPool
 
@@ -50,11 +52,8 @@ log = logging.getLogger(__package__)  # "pykv.reactor": one logger for the whole
 
 SHED = BlockFailure(Step.SHED, detail="vLLM needed the GPU blocks back before a staging slot was free")
 
-__all__ = ["STATS", "FillRequest", "JobResult", "LoadBlock", "LoadSink", "Reactor", "ReactorConfig", "ReadyBlock",
-           "StoreBlock", "StoreSource", "backend_depth", "segment_count", "slot_header"]
 
-
-class Reactor(LoadSteps, StoreSteps):
+class Reactor:
     """Runs the I/O pipeline on its own thread; all public methods are thread-safe."""
 
     def __init__(self, backend: IoBackend, pool: StagingPool, medium: Medium, *, config: ReactorConfig | None = None,
@@ -73,17 +72,15 @@ class Reactor(LoadSteps, StoreSteps):
                              f"{pieces} pieces on each of {lanes} lanes; use backend_depth()")
         self.backend, self.pool, self.medium = backend, pool, medium
         self.sink, self.source, self.on_job_done = sink, source, on_job_done
-        self._staged = getattr(source, "staged", None)  # StoreSource's optional hook
         self.policy = ReactorPolicy(pool.ledger, self.config.io_depth, self.config.open_ahead,
                                     max_speculative=self.config.max_speculative, lanes=lanes)
         self.keys = keys  # with a key ring every load is authenticated and every store signed
         self._verifier = PayloadVerifier(self.config.verify_threads, keys)  # threads start on first use
-        self._verify_loads = self.config.verify == "full" or keys is not None
-        self._hashing = 0  # blocks on the verifier threads (their slots must outlive the hashing)
-        self._preloads: dict[str, int] = {}  # block path -> its live preload transfer
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
-        self._transfers: dict[int, TransferState] = {}
-        self._next_id = 0
+        self._ctx = ReactorContext(backend, pool, medium, self.policy, self._verifier, self._post, self.stats)
+        self._loads = Loads(self._ctx, sink, read_segment=self.config.read_segment,
+                            verify=self.config.verify == "full" or keys is not None)
+        self._stores = Stores(self._ctx, source)
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._finished: list[JobResult] = []
         self._done = threading.Condition()
@@ -110,11 +107,11 @@ class Reactor(LoadSteps, StoreSteps):
         for block in blocks:
             if block.slot is not None:
                 raise ValueError(f"{block.path}: a preload reads into a staging slot, not a caller's slot")
-        self._post(lambda: self._add_preloads(owner, blocks))
+        self._post(lambda: self._loads.add_preloads(owner, blocks))
 
     def release_preloads(self, owner: Hashable) -> None:
         """``owner`` no longer needs its preloads (scheduled, finished or aborted)."""
-        self._post(lambda: self._release_preloads(owner))
+        self._post(lambda: self._loads.release_preloads(owner))
 
     def submit_store(self, job: object, blocks: Sequence[StoreBlock]) -> None:
         self._post(lambda: self._add_job(job, Kind.STORE, blocks))
@@ -131,7 +128,7 @@ class Reactor(LoadSteps, StoreSteps):
 
     def filled(self, transfer: int, ok: bool = True) -> None:
         """The source finished (or failed) filling a store's slot."""
-        self._post(lambda: self._on_filled(transfer, ok))
+        self._post(lambda: self._stores.on_filled(transfer, ok))
 
     def take_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call (none are kept with ``on_job_done``)."""
@@ -183,7 +180,7 @@ class Reactor(LoadSteps, StoreSteps):
                 self._perform(actions)
                 actions = self.policy.step()
             self._note_high_water()
-            if self._stopping and self.backend.in_flight == 0 and not self._hashing and not self._inbox:
+            if self._stopping and self.backend.in_flight == 0 and not self._ctx.hashing and not self._inbox:
                 return
             if self._inbox:
                 continue
@@ -196,19 +193,18 @@ class Reactor(LoadSteps, StoreSteps):
         if not blocks:
             self._finish_job(state)
         for index, block in enumerate(blocks):
-            self._next_id += 1
-            self._transfers[self._next_id] = TransferState(state, index, block)
-            if kind is Kind.LOAD and self._claim(self._next_id, block, owner):
+            tid = self._ctx.add_transfer(TransferState(state, index, block))
+            if kind is Kind.LOAD and self._loads.claim(tid, block, owner):
                 continue
-            self.policy.add(self._next_id, kind, slot=block.slot, urgent=urgent, lane=self.medium.lane(block.path))
+            self.policy.add(tid, kind, slot=block.slot, urgent=urgent, lane=self.medium.lane(block.path))
 
     def _shed(self, jobs: set[object]) -> list[tuple[object, int]]:
         self._perform(self.policy.step())  # a store that can have a slot now keeps its blocks
         shed = []
         for tid in self.policy.queued_stores():
-            t = self._transfers[tid]
+            t = self._ctx.transfers[tid]
             if t.job.result.job in jobs and self.policy.shed(tid):
-                self._fail(t, SHED)
+                self._ctx.fail(t, SHED)
                 shed.append((t.job.result.job, t.index))
         return shed
 
@@ -217,7 +213,7 @@ class Reactor(LoadSteps, StoreSteps):
         held = ledger.num_slots - ledger.reserved - ledger.free
         if held > self.stats["slots_high"]:
             self.stats["slots_high"] = held
-        if self._preloads:
+        if self._loads.preloading:
             speculative = self.policy.speculative_slots
             if speculative > self.stats["preload_slots_high"]:
                 self.stats["preload_slots_high"] = speculative
@@ -229,17 +225,13 @@ class Reactor(LoadSteps, StoreSteps):
         deliveries: list[Deliver] = []
         for action in actions:
             if isinstance(action, Open):
-                requests.append(self._open_request(action.transfer, self._transfers[action.transfer]))
+                requests.append(self._loads.open_request(action.transfer))
             elif isinstance(action, Read):
-                t = self._transfers[action.transfer]
-                t.slot = action.slot
-                self.stats["disk_reads"] += 1
-                self.stats["preloads_started"] += t.owners is not None
-                requests.extend(self._first_reads(action.transfer, t))
+                requests.extend(self._loads.start_read(action.transfer, action.slot))
             elif isinstance(action, Fill):
-                self._request_fill(action)
+                self._stores.request_fill(action)
             elif isinstance(action, Write):
-                request = self._start_write(action.transfer)
+                request = self._stores.start_write(action.transfer)
                 if request is not None:
                     requests.append(request)
             elif isinstance(action, Deliver):
@@ -249,7 +241,7 @@ class Reactor(LoadSteps, StoreSteps):
         if requests:
             self.backend.submit(requests)
         for action in deliveries:
-            self._deliver(action)
+            self._loads.deliver(action)
 
     def _complete(self, completion: IoCompletion) -> None:
         awaiting, tid, *part = completion.token
@@ -258,33 +250,22 @@ class Reactor(LoadSteps, StoreSteps):
             if result < 0:
                 log.warning("close failed: %s", os.strerror(-result))
             return
-        t = self._transfers[tid]
+        t = self._ctx.transfers[tid]
         if awaiting is Awaiting.SEGMENT:
-            self._on_segment(tid, t, part[0], result)
+            self._loads.on_segment(tid, t, part[0], result)
             return
-        handler = {Awaiting.OPEN: self._on_opened, Awaiting.READ: self._on_read,
-                   Awaiting.WRITE_OPEN: self._on_write_opened, Awaiting.WRITE: self._on_wrote,
-                   Awaiting.FSYNC: self._on_synced}[awaiting]
+        handler = {Awaiting.OPEN: self._loads.on_opened, Awaiting.READ: self._loads.on_read,
+                   Awaiting.WRITE_OPEN: self._stores.on_write_opened, Awaiting.WRITE: self._stores.on_wrote,
+                   Awaiting.FSYNC: self._stores.on_synced}[awaiting]
         handler(tid, t, result)
 
     # -- bookkeeping -----------------------------------------------------------------------------
-    def _close(self, t: TransferState) -> None:
-        if t.fd >= 0:
-            self.backend.submit([IoRequest(OpKind.CLOSE, (Awaiting.CLOSE, None), fd=t.fd)])
-            t.fd = -1
-
-    def _fail(self, t: TransferState, failure: BlockFailure) -> None:
-        """Record a failed block. Expected failures (a miss, a full or read-only disk) log at
-        debug level: clients report them once per interval; anything else is a warning."""
-        t.job.result.failed[t.index] = failure
-        log.log(logging.DEBUG if failure.expected else logging.WARNING, "%s: %s", t.block.path, failure)
-
     def _on_finish(self, action: Finish) -> None:
-        t = self._transfers.pop(action.transfer)
+        t = self._ctx.transfers.pop(action.transfer)
         if t.fd >= 0:
-            self._close(t)
+            self._ctx.close(t)
         if t.owners is not None:
-            self._preload_ended(action.transfer, t, action.ok)
+            self._loads.preload_ended(action.transfer, t, action.ok)
         t.job.remaining -= 1
         if t.job.remaining == 0:
             self._finish_job(t.job)
