@@ -6,7 +6,6 @@ import ctypes
 import errno
 import logging
 import os
-import uuid
 
 from pykv.errors import PykvError
 from pykv.io.backend import IoBackend, IoRequest, OpKind
