@@ -224,11 +224,6 @@ class JobLedger:
         """Whether ``part`` has not ended."""
         return part in self._parts
 
-    def kind_of(self, part: object) -> Kind | None:
-        """The kind of the job ``part`` belongs to (None: the part ended)."""
-        entry = self._parts.get(part)
-        return None if entry is None else entry[0].kind
-
     def holds_engine_blocks(self, jobs: Sequence[object]) -> bool:
         """Whether the engine must not reuse any of these jobs' blocks yet."""
         return any(state.holds_engine_blocks() for j in jobs if (state := self._jobs.get(j)) is not None)

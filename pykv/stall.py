@@ -85,14 +85,14 @@ class StallWatch:
         return watch.given_up and not watch.copying
 
     # -- giving up -----------------------------------------------------------------------------
-    def due(self, now: float) -> list[object]:
-        """Parts with no progress for the deadline, now given up (each named once)."""
-        due = [part for part, watch in self._parts.items()
+    def due(self, now: float) -> list[tuple[object, Kind]]:
+        """Parts with no progress for the deadline, now given up (each named once), with their kind."""
+        due = [(part, watch.kind) for part, watch in self._parts.items()
                if not watch.given_up and now - watch.last >= self.deadline]
-        for part in due:
+        for part, kind in due:
             watch = self._parts[part]
             watch.given_up = True
-            if watch.kind is Kind.STORE:
+            if kind is Kind.STORE:
                 watch.refused = set(range(watch.blocks)) - watch.copying
         return due
 

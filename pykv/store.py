@@ -325,14 +325,13 @@ class BlockStore:
                 return
             self._stall_check_due = now + self.stalls.deadline / 8
             due = self.stalls.due(now)
-            kinds = {part: self.ledger.kind_of(part) for part in due}
-        for part in due:
+            self.counters[C.LOAD_JOBS_GIVEN_UP] += sum(kind is Kind.LOAD for _, kind in due)
+        for part, kind in due:
             log.warning("pykv worker %d: %s job %s made no progress in %.0f s (a stalled mount?); given up",
-                        self.engine.rank, kinds[part].value if kinds[part] else "a", part, self.stalls.deadline)
-            if kinds[part] is Kind.LOAD:
-                self.counters[C.LOAD_JOBS_GIVEN_UP] += 1
+                        self.engine.rank, kind.value, part, self.stalls.deadline)
+            if kind is Kind.LOAD:
                 self._end_given_up_load(part)
-            elif kinds[part] is Kind.STORE:
+            else:
                 self._release_given_up(part)
 
     def _end_given_up_load(self, part: object) -> None:

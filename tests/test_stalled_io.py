@@ -13,15 +13,13 @@ import threading
 import time
 
 import pytest
-from test_store import GEOMETRY, KEYS, NS, Client, payload, submit
+from test_store import KEYS, NS, Client, payload, store, submit  # noqa: F401 (store: the fixture)
 
 from pykv.blockfile import check_block
-from pykv.config import PykvConfig
 from pykv.failures import Step
 from pykv.io import threadpool
 from pykv.io.backend import OpKind
-from pykv.staging import slot_bytes_for
-from pykv.store import BlockStore, EngineShape
+from pykv.store import BlockStore
 from pykv.tree import is_temp_name
 
 DEADLINE = 0.5
@@ -67,29 +65,20 @@ class CountingClient(Client):
 
 
 @pytest.fixture
-def make_store(tmp_path):
-    made = []
-
-    def make(transient: int = 4, dram_slots: int = 0, **extra) -> tuple[BlockStore, CountingClient]:
-        (tmp_path / "tree").mkdir(exist_ok=True)
-        config = PykvConfig.from_extra_config({"root": str(tmp_path / "tree"), "io_engine": "threadpool",
-                                               "io_deadline": DEADLINE, "io_depth": 2, "open_ahead": 2, **extra})
-        client = CountingClient()
-        shape = EngineShape(NS, slot_bytes_for(GEOMETRY.payload_length), transient, dram_slots, 0, True)
-        client.store = BlockStore(config, shape, client)
-        made.append(client.store)
-        return client.store, client
-    yield make
-    for s in made:
-        s.close()
+def make_store(store):  # noqa: F811 (test_store's fixture)
+    """``test_store``'s store with the counting client, a short io_deadline and a shallow depth."""
+    def make(transient: int = 4) -> tuple[BlockStore, CountingClient]:
+        return store(transient=transient, early_release=True, client_type=CountingClient, io_deadline=DEADLINE,
+                     io_depth=2, open_ahead=2)
+    return make
 
 
-def poll_until_ended(store: BlockStore, client: Client, job, limit: float) -> float:
+def poll_until_ended(block_store: BlockStore, client: Client, job, limit: float) -> float:
     """Call ``check_stalls`` as the worker's ``get_finished`` does until ``job`` ends; its wall time."""
     began = time.monotonic()
     while job not in client.ends and not any(r.job == job for r in client.released):
         assert time.monotonic() - began < limit, f"job {job} did not end within {limit} s"
-        store.check_stalls()
+        block_store.check_stalls()
         time.sleep(0.01)
     return time.monotonic() - began
 

@@ -67,12 +67,12 @@ def store(tmp_path):
     made = []
 
     def make(dram_slots: int = 0, early_release: bool = False, client_type: type[Client] = Client,
-             **extra) -> tuple[BlockStore, Client]:
+             transient: int = 4, **extra) -> tuple[BlockStore, Client]:
         (tmp_path / "tree").mkdir(exist_ok=True)  # as `pykv init` makes it: engines never create a root
         config = PykvConfig.from_extra_config({"root": str(tmp_path / "tree"), "io_engine": "threadpool",
                                                "store_retry_interval": "60s", **extra})
         client = client_type()
-        shape = EngineShape(NS, slot_bytes_for(GEOMETRY.payload_length), 4, dram_slots, 0, early_release)
+        shape = EngineShape(NS, slot_bytes_for(GEOMETRY.payload_length), transient, dram_slots, 0, early_release)
         client.store = BlockStore(config, shape, client)
         made.append(client.store)
         return client.store, client
