@@ -31,7 +31,7 @@ def load_once(dirs: list[Path], *, blocks: int, depth: int, engine: str, verify:
     with block_files(engine, dirs, blocks_per_device=blocks, block_size=block_mib << 20, depth=depth,
                      verify=verify) as files:
         reactor = files.reactor
-        reactor.submit_store("store", files.stores)
+        reactor.write("store", files.stores)
         stored = reactor.wait_for("store")
         if stored.failed:
             raise OSError(f"store failed: {next(iter(stored.failed.values()))}")
@@ -45,7 +45,7 @@ def load_once(dirs: list[Path], *, blocks: int, depth: int, engine: str, verify:
             deliver(ready)
         sink.deliver = timed
         began = time.perf_counter()
-        reactor.submit_load("load", files.loads)
+        reactor.read("load", files.loads)
         loaded = reactor.wait_for("load")
         seconds = time.perf_counter() - began
         if loaded.failed:

@@ -74,11 +74,11 @@ def load_stream(directory: str, args: argparse.Namespace, stop, loaded) -> None:
         d.mkdir(parents=True, exist_ok=True)
     with block_files(args.engine, dirs, blocks_per_device=args.blocks, block_size=args.block_mib << 20,
                      depth=args.depth, verify=args.verify, verify_threads=args.verify_threads) as files:
-        files.reactor.submit_store("store", files.stores)
+        files.reactor.write("store", files.stores)
         files.reactor.wait_for("store")
         rounds = 0
         while not stop.is_set():
-            files.reactor.submit_load(rounds, files.loads)
+            files.reactor.read(rounds, files.loads)
             result = files.reactor.wait_for(rounds)
             assert not result.failed, result.failed
             rounds += 1

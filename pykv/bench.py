@@ -258,9 +258,9 @@ def bench_files(engine: str, directory: Path | Sequence[Path], *, size: int, blo
 
 def _timed(reactor: Reactor, job: str, blocks: list) -> "object":
     if job == "store":
-        reactor.submit_store(job, blocks)
+        reactor.write(job, blocks)
     else:
-        reactor.submit_load(job, blocks)
+        reactor.read(job, blocks)
     return reactor.wait_for(job)
 
 

@@ -8,7 +8,9 @@ not answer in time is a miss), or a miss. The first block is asked alone, since 
 loads nothing; the rest are asked at once. With a break-even gate, the survey also decides
 whether the request's load is worth it; a refused request's lookups all miss. ``lookup``
 answers from the survey of the request it was made for, ``plan_load`` pins and stamps the
-hits of a load and remembers their tiers for ``load_source``.
+hits of a load and remembers their tiers for ``load_source``. ``plan_store`` decides which
+blocks of a store to write: not those in the DRAM tier or being stored, nor those on disk or
+whose device did not answer in time; the rest get a DRAM slot when the tier has one free.
 
 No vLLM, no threads of its own: the caller translates vLLM's types, and the disk is asked
 through the ``Presence`` it is given (``pykv.presence.DiskPresence`` in the engine).
@@ -17,6 +19,7 @@ Counts go to the ``Metric`` and ``SchedulerCounter`` counters it is handed.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -51,8 +54,30 @@ class LoadPlan:
     resident: tuple[bool, ...]
 
 
+class StoreRefusal(enum.Enum):
+    """Why a store writes none of its blocks (the caller's state decides; each counts its blocks)."""
+
+    OFF = Metric.STORES_OFF  # this instance only loads (``store`` false)
+    PAUSED = Metric.STORES_DISABLED  # the medium refused a store a moment ago (``StorePause``)
+    OVER_LIMIT = Metric.STORES_OVER_LIMIT  # the tree stays over ``max_tree_bytes`` (the evictor is behind)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What a store does with its blocks: ``keys`` to write, each with its DRAM slot (pinned,
+    pending; None: no copy in DRAM), ``present`` ones skipped (in the DRAM tier, being stored or
+    on disk), ``unanswered`` ones skipped (their device did not answer in time), or none written
+    for a ``refused`` store."""
+
+    keys: tuple[bytes, ...] = ()
+    slots: tuple[int | None, ...] = ()
+    present: tuple[bytes, ...] = ()
+    unanswered: tuple[bytes, ...] = ()
+    refused: StoreRefusal | None = None
+
+
 class BlockIndex:
-    """The scheduler's lookups, the break-even gate's decisions and load plans; see the module docstring.
+    """The scheduler's lookups, the break-even gate's decisions, load and store plans; see the module docstring.
 
     ``counters``: vLLM's metrics (``Metric``); ``timing``: the counter file's (``SchedulerCounter``).
     Both are the caller's to read; new ones are made when none is given.
@@ -187,6 +212,30 @@ class BlockIndex:
         planned_for, tiers = self._planned
         tier = tiers.get(key) if planned_for == req_id else None
         return tier or self.tier_of(key)
+
+    # -- stores --------------------------------------------------------------------------------
+    def plan_store(self, keys: Collection[bytes], refused: StoreRefusal | None = None) -> StorePlan:
+        """vLLM would store these blocks: skip those the DRAM tier holds or a store in flight has,
+        then ask the disk for the rest at once; a missing one is stored, through a DRAM slot when
+        one is free. A ``refused`` store writes nothing and counts every block under its reason."""
+        keys = list(keys)
+        if refused is not None:
+            self.counters[refused.value] += len(keys)
+            return StorePlan(refused=refused)
+        # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
+        held = [self.residency.holds(key) for key in keys]
+        new = [key for key, h in zip(keys, held) if not h]
+        present = [key for key, h in zip(keys, held) if h]
+        self.counters[Metric.STORE_SKIPPED] += len(present)
+        to_store, slots, unanswered = [], [], []
+        for key, stored in zip(new, self.presence.find(new)):
+            if stored is not False:  # on disk, or its device did not answer: nothing to store there now
+                (present if stored else unanswered).append(key)
+                self.counters[Metric.STORE_SKIPPED if stored else Metric.STORES_UNANSWERED] += 1
+                continue
+            to_store.append(key)
+            slots.append(self.residency.begin_store(key))
+        return StorePlan(tuple(to_store), tuple(slots), tuple(present), tuple(unanswered))
 
     def reset(self) -> None:
         """The DRAM tier was forgotten (a cache reset): the last plan's tiers no longer hold."""

@@ -105,7 +105,7 @@ class BlockStore:
         self.medium = self.reactor.medium
 
     # -- jobs ----------------------------------------------------------------------------------
-    def submit_load(self, job: object, blocks: Sequence[BlockRef], *, owner: Hashable | None = None,
+    def load_blocks(self, job: object, blocks: Sequence[BlockRef], *, owner: Hashable | None = None,
                     urgent: bool = False) -> None:
         """Load ``blocks``: DRAM-tier blocks from their slots, the rest through the reactor (a block
         being preloaded for ``owner`` is served by its preload). ``urgent``: ahead of all other work."""
@@ -122,9 +122,9 @@ class BlockStore:
             else:
                 with self._lock:
                     self.stalls.watch(part.id, Kind.LOAD, len(loads), self._clock())
-                self.reactor.submit_load(part.id, loads, owner=owner, urgent=urgent)
+                self.reactor.read(part.id, loads, owner=owner, urgent=urgent)
 
-    def submit_store(self, job: object, blocks: Sequence[BlockRef]) -> bool:
+    def store_blocks(self, job: object, blocks: Sequence[BlockRef]) -> bool:
         """Store ``blocks``; False (nothing submitted, ``job_ended`` not called) while stores are paused."""
         if self.pause.active(self._clock()):
             self.counters[C.STORE_BLOCKS_PAUSED] += len(blocks)
@@ -134,15 +134,15 @@ class BlockStore:
             part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
             self.stalls.watch(part.id, Kind.STORE, len(blocks), self._clock())
         locations = self.medium.place(self.namespace.id, [b.key for b in blocks])
-        self.reactor.submit_store(part.id, [
-            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, **({"slot": s} if s is not None else {}))
+        self.reactor.write(part.id, [
+            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, slot=s, target=b.target)
             for path, b, s in zip(locations, blocks, slots)])
         return True
 
-    def submit_preloads(self, owner: Hashable, keys: Sequence[bytes]) -> None:
+    def preload_blocks(self, owner: Hashable, keys: Sequence[bytes]) -> None:
         """Read these blocks ahead for ``owner`` (a request still waiting); its load claims them."""
         self.counters[C.PRELOAD_BLOCKS_PLANNED] += len(keys)
-        self.reactor.submit_preload(owner, [self._load_block(BlockRef(k), None) for k in keys])
+        self.reactor.read_ahead(owner, [self._load_block(BlockRef(k), None) for k in keys])
 
     def release_preloads(self, owner: Hashable) -> None:
         self.reactor.release_preloads(owner)
@@ -211,7 +211,7 @@ class BlockStore:
 
     def _load_block(self, block: BlockRef, slot: int | None) -> LoadBlock:
         return LoadBlock(self.medium.locate(self.namespace.id, block.key), self.namespace.fingerprint, block.key,
-                         block.geometry, **({"slot": slot} if slot is not None else {}))
+                         block.geometry, slot=slot, target=block.target)
 
     def _serve_from_dram(self, part: Part, blocks: list[LoadBlock]) -> None:
         """Blocks sitting in their DRAM-tier slots: no I/O, so no reactor. Each slot's header is
@@ -227,7 +227,7 @@ class BlockStore:
             sizes[index] = header.file_size
             with self._lock:
                 job, job_index = self.ledger.locate(part.id, index)
-            copies.append(SlotCopy(job, job_index, block.slot, header.payload_length, token=index))
+            copies.append(SlotCopy(job, job_index, block.slot, header.payload_length, block.target, token=index))
         copy_failed: set[int] = set()
         remaining = [len(copies)]
 
@@ -264,7 +264,7 @@ class BlockStore:
             if not ok:  # a store given up: the engine may have reused its blocks
                 self.reactor.filled(r.transfer, False)
         if granted:
-            self.client.to_slots([SlotCopy(job, index, r.slot, r.length, token=r)
+            self.client.to_slots([SlotCopy(job, index, r.slot, r.length, r.target, token=r)
                                   for (job, index), r in zip(located, granted)], self._filled)
 
     def _filled(self, copy: SlotCopy, ok: bool) -> None:
@@ -295,7 +295,7 @@ class BlockStore:
             if not ok:  # a load given up: its engine blocks are being recomputed
                 self.reactor.consumed(b.transfer)
         if live:
-            self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, token=b)
+            self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, b.target, token=b)
                                     for (job, index), b in zip(located, live)], self._delivered)
 
     def _delivered(self, copy: SlotCopy, ok: bool) -> None:

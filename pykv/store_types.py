@@ -26,22 +26,27 @@ class EngineShape:
 @dataclass(frozen=True)
 class BlockRef:
     """One block of a job: its key, its shape, and its DRAM-tier slot (``0..dram_slots-1``)
-    if it has one; ``resident``: a load whose bytes already sit in that slot."""
+    if it has one; ``resident``: a load whose bytes already sit in that slot. ``target``: where
+    the client copies the block to or from (its engine blocks); opaque to the store, it travels
+    with the block and comes back in the block's ``SlotCopy``."""
 
     key: bytes
     geometry: Geometry | None = None
     dram_slot: int | None = None
     resident: bool = False
+    target: object = None
 
 
 @dataclass(frozen=True)
 class SlotCopy:
-    """Copy ``length`` payload bytes of block ``index`` of ``job`` to or from ``slot``."""
+    """Copy ``length`` payload bytes of block ``index`` of ``job`` between ``slot`` and the block's
+    ``target`` (its ``BlockRef.target``)."""
 
     job: object
     index: int
     slot: int
     length: int
+    target: object = None
     token: object = None  # the store's handle: hand the copy back unchanged
 
 

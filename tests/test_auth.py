@@ -228,7 +228,7 @@ class Client:
     def run(self, job, keys, *, load: bool) -> JobEnd:
         self.jobs[job] = list(keys)
         refs = [BlockRef(k, GEOMETRY) for k in keys]
-        self.store.submit_load(job, refs) if load else self.store.submit_store(job, refs)
+        self.store.load_blocks(job, refs) if load else self.store.store_blocks(job, refs)
         with self.done:
             assert self.done.wait_for(lambda: job in self.ends, timeout=20), f"job {job} did not end"
             return self.ends[job]
@@ -309,9 +309,9 @@ def test_a_forged_block_is_never_loaded_counted_and_quarantined(tmp_path, engine
 def test_a_forged_block_read_ahead_by_a_preload_is_not_delivered(tmp_path, engine):
     client = engine(key_file(tmp_path, "keys", {"k1": KEY_A}))
     path = plant(client, KEYS[0], None)
-    client.store.submit_preloads("request", [KEYS[0]])
+    client.store.preload_blocks("request", [KEYS[0]])
     client.jobs[1] = [KEYS[0]]
-    client.store.submit_load(1, [BlockRef(KEYS[0], GEOMETRY)], owner="request")
+    client.store.load_blocks(1, [BlockRef(KEYS[0], GEOMETRY)], owner="request")
     with client.done:
         assert client.done.wait_for(lambda: 1 in client.ends, timeout=20)
     assert client.ends[1].failures[0].step is Step.AUTH and KEYS[0] not in client.loaded

@@ -96,9 +96,9 @@ def test_the_reactor_hashes_on_auto_or_given_verify_threads(tmp_path, monkeypatc
         with block_files("threadpool", dirs, blocks_per_device=2, block_size=MIB, depth=1, verify="full",
                          verify_threads=given) as files:
             assert files.reactor.config.verify_threads == threads
-            files.reactor.submit_store("s", files.stores)
+            files.reactor.write("s", files.stores)
             assert not files.reactor.wait_for("s").failed
-            files.reactor.submit_load("l", files.loads)
+            files.reactor.read("l", files.loads)
             assert not files.reactor.wait_for("l").failed
             hashing = {t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
             assert 1 <= len(hashing) <= threads

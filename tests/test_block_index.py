@@ -1,4 +1,4 @@
-"""BlockIndex (pykv/block_index.py): a request's survey, the gate's decision, lookups and load plans,
+"""BlockIndex (pykv/block_index.py): a request's survey, the gate's decision, lookups, load and store plans,
 over a real DramResidency and a presence that answers from a table (no vLLM, torch or disk)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from pykv.block_index import BlockIndex
+from pykv.block_index import BlockIndex, StorePlan, StoreRefusal
 from pykv.calibration.gate import BreakEvenGate
 from pykv.counters import Metric, SchedulerCounter
 from pykv.residency import DramResidency, Tier
@@ -152,6 +152,50 @@ def test_without_a_dram_tier_a_disk_load_has_no_slot():
     ix, presence = index(KEYS[:2])
     plan = ix.plan_load("r", KEYS[:2])
     assert plan.slots == (None, None) and plan.resident == (False, False) and presence.stamped == KEYS[:2]
+
+
+# -- stores --------------------------------------------------------------------------------
+def test_a_store_plan_skips_blocks_in_dram_or_on_disk_and_asks_the_disk_once():
+    ix, presence = index(KEYS[1:2], dram_slots=4, in_dram=KEYS[:1])
+    plan = ix.plan_store(KEYS[:4])
+    assert presence.asked == [KEYS[1:4]]  # the DRAM hit needs no disk check; the rest at once
+    assert plan.keys == tuple(KEYS[2:4]) and plan.present == (KEYS[0], KEYS[1]) and plan.unanswered == ()
+    assert None not in plan.slots and len(set(plan.slots)) == 2 and plan.refused is None
+    assert all(ix.residency.holds(key) for key in KEYS[2:4])  # pinned, pending until the store completes
+    assert ix.counters[Metric.STORE_SKIPPED] == 2 and Metric.STORES_UNANSWERED not in ix.counters
+
+
+def test_blocks_being_stored_are_not_stored_again():
+    ix, presence = index(dram_slots=0)
+    assert ix.plan_store(KEYS[:2]).keys == tuple(KEYS[:2])
+    again = ix.plan_store(KEYS[:3])
+    assert again.keys == (KEYS[2],) and again.present == tuple(KEYS[:2]) and presence.asked[-1] == [KEYS[2]]
+    assert ix.counters[Metric.STORE_SKIPPED] == 2
+
+
+def test_a_block_whose_device_did_not_answer_is_not_stored():
+    ix, _ = index(KEYS[:1], unknown=KEYS[1:2])
+    plan = ix.plan_store(KEYS[:3])
+    assert plan.keys == (KEYS[2],) and plan.present == (KEYS[0],) and plan.unanswered == (KEYS[1],)
+    assert ix.counters[Metric.STORES_UNANSWERED] == 1 and ix.counters[Metric.STORE_SKIPPED] == 1
+    assert not ix.residency.holds(KEYS[1])  # asked again at its next store
+
+
+def test_without_a_free_dram_slot_a_block_is_still_stored_to_disk():
+    ix, _ = index()  # no DRAM tier
+    assert ix.plan_store(KEYS[:2]).slots == (None, None)
+    full, _ = index(dram_slots=2)
+    plan = full.plan_store(KEYS[:3])  # two slots, pinned by the first two stores
+    assert plan.keys == tuple(KEYS[:3]) and None not in plan.slots[:2] and plan.slots[2] is None
+
+
+def test_a_refused_store_writes_nothing_asks_nothing_and_counts_its_reason():
+    ix, presence = index(dram_slots=4)
+    for refusal, n in ((StoreRefusal.OFF, 2), (StoreRefusal.PAUSED, 3), (StoreRefusal.OVER_LIMIT, 1)):
+        assert ix.plan_store(KEYS[:n], refusal) == StorePlan(refused=refusal)
+    assert presence.asked == [] and len(ix.residency) == 0
+    assert (ix.counters[Metric.STORES_OFF], ix.counters[Metric.STORES_DISABLED],
+            ix.counters[Metric.STORES_OVER_LIMIT]) == (2, 3, 1)
 
 
 def test_counts_go_to_the_counters_it_is_handed():

@@ -230,7 +230,7 @@ def test_a_reader_of_an_evicted_block_gets_a_miss_or_its_bytes_never_an_error(tm
                       sink=_Drop(), source=None)
     reactor.sink.reactor = reactor
     try:
-        reactor.submit_load("l", [LoadBlock(paths[i], NS.fingerprint, key(i), GEOMETRY) for i in (0, 13)])
+        reactor.read("l", [LoadBlock(paths[i], NS.fingerprint, key(i), GEOMETRY) for i in (0, 13)])
         result = reactor.wait_for("l", timeout=30)
     finally:
         reactor.close()

@@ -132,7 +132,7 @@ def load_blocks(tree: KVTree, keys: list[bytes], geometry: Geometry | None = GEO
 
 def store(tree, reactor, source, keys: list[bytes]) -> None:
     source.keys["store"] = keys
-    reactor.submit_store("store", [StoreBlock(tree.block_path(NS.id, k), NS.fingerprint, k, GEOMETRY)
+    reactor.write("store", [StoreBlock(tree.block_path(NS.id, k), NS.fingerprint, k, GEOMETRY)
                                    for k in keys])
     assert reactor.wait_for("store", timeout=30).ok
 
@@ -148,10 +148,10 @@ def test_a_load_claims_ready_preloads_and_reads_nothing(rig):
     tree, reactor, backend, sink, source = rig()
     keys = [key(i) for i in range(3)]
     store(tree, reactor, source, keys)
-    reactor.submit_preload("A", load_blocks(tree, keys, geometry=None))
+    reactor.read_ahead("A", load_blocks(tree, keys, geometry=None))
     until(lambda: reactor.stats["preloads_started"] == 3 and reactor.policy.speculative_slots == 3)
     opens_before = sum(backend.read_opens.values())
-    reactor.submit_load("job", load_blocks(tree, keys), owner="A")
+    reactor.read("job", load_blocks(tree, keys), owner="A")
     result = reactor.wait_for("job", timeout=30)
     assert result.ok and result.bytes > 0
     assert [sink.payloads[("job", i)] for i in range(3)] == [pattern(k) for k in keys]
@@ -164,9 +164,9 @@ def test_a_load_joins_a_preload_whose_read_is_in_flight(rig):
     tree, reactor, backend, sink, source = rig()
     store(tree, reactor, source, [key(1)])
     backend.hold_reads = True
-    reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
+    reactor.read_ahead("A", load_blocks(tree, [key(1)], geometry=None))
     until(lambda: reactor.stats["preloads_started"] == 1)
-    reactor.submit_load("job", load_blocks(tree, [key(1)]), owner="A")
+    reactor.read("job", load_blocks(tree, [key(1)]), owner="A")
     until(lambda: reactor.stats["preloads_joined"] == 1)
     backend.release_reads()
     assert reactor.wait_for("job", timeout=30).ok
@@ -179,11 +179,11 @@ def test_waiting_requests_sharing_a_prefix_share_one_read_per_block(rig):
     keys = [key(i) for i in range(4)]
     store(tree, reactor, source, keys)
     for owner in ("A", "B", "C"):
-        reactor.submit_preload(owner, load_blocks(tree, keys[:3], geometry=None))  # the shared prefix
+        reactor.read_ahead(owner, load_blocks(tree, keys[:3], geometry=None))  # the shared prefix
     until(lambda: reactor.policy.speculative_slots == 3)
     assert reactor.stats["preloads_submitted"] == 3
     for owner in ("A", "B", "C"):
-        reactor.submit_load(owner, load_blocks(tree, keys), owner=owner)  # prefix + one own block
+        reactor.read(owner, load_blocks(tree, keys), owner=owner)  # prefix + one own block
         assert reactor.wait_for(owner, timeout=30).ok
         assert [sink.payloads[(owner, i)] for i in range(4)] == [pattern(k) for k in keys]
     opens = {path.rsplit(b"/", 1)[1]: n for path, n in backend.read_opens.items()}
@@ -198,8 +198,8 @@ def test_release_frees_unclaimed_preloads_and_counts_the_waste(rig):
     tree, reactor, backend, sink, source = rig()
     keys = [key(i) for i in range(2)]
     store(tree, reactor, source, keys)
-    reactor.submit_preload("A", load_blocks(tree, keys, geometry=None))
-    reactor.submit_preload("B", load_blocks(tree, keys[:1], geometry=None))
+    reactor.read_ahead("A", load_blocks(tree, keys, geometry=None))
+    reactor.read_ahead("B", load_blocks(tree, keys[:1], geometry=None))
     until(lambda: reactor.policy.speculative_slots == 2)
     reactor.release_preloads("A")  # B still wants block 0
     until(lambda: reactor.policy.speculative_slots == 1)
@@ -214,11 +214,11 @@ def test_demand_reclaims_preload_slots_and_speculation_stays_within_its_bound(ri
     tree, reactor, backend, sink, source = rig(slots=5, depth=1, max_speculative=3)
     keys = [key(i) for i in range(10)]
     store(tree, reactor, source, keys)
-    reactor.submit_preload("W", load_blocks(tree, keys[:6], geometry=None))
+    reactor.read_ahead("W", load_blocks(tree, keys[:6], geometry=None))
     until(lambda: reactor.policy.speculative_slots == 3)
     time.sleep(0.1)
     assert reactor.policy.speculative_slots == 3  # max_speculative: no fourth
-    reactor.submit_load("demand", load_blocks(tree, keys[6:]))  # 4 blocks through 2 free slots
+    reactor.read("demand", load_blocks(tree, keys[6:]))  # 4 blocks through 2 free slots
     assert reactor.wait_for("demand", timeout=30).ok
     assert reactor.stats["preload_slots_high"] <= 3 and reactor.stats["slots_high"] <= 5
 
@@ -227,11 +227,11 @@ def test_a_dram_tier_load_claims_the_preload_and_copies_it_and_preloads_never_us
     tree, reactor, backend, sink, source = rig(slots=6, reserved=2)
     store(tree, reactor, source, [key(1)])
     with pytest.raises(ValueError):
-        reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None, slot=5))
-    reactor.submit_preload("A", load_blocks(tree, [key(1)], geometry=None))
+        reactor.read_ahead("A", load_blocks(tree, [key(1)], geometry=None, slot=5))
+    reactor.read_ahead("A", load_blocks(tree, [key(1)], geometry=None))
     until(lambda: reactor.policy.speculative_slots == 1)
     reads = reactor.stats["disk_reads"]
-    reactor.submit_load("promote", load_blocks(tree, [key(1)], slot=5), owner="B")  # promotion into DRAM slot 5
+    reactor.read("promote", load_blocks(tree, [key(1)], slot=5), owner="B")  # promotion into DRAM slot 5
     assert reactor.wait_for("promote", timeout=30).ok
     assert reactor.stats["preloads_claimed"] == 1 and reactor.stats["disk_reads"] == reads  # no second read
     assert bytes(reactor.pool.payload_view(5, GEOMETRY.payload_length)) == pattern(key(1))

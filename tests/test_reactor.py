@@ -87,12 +87,12 @@ def blocks(tree: KVTree, count: int, cls=StoreBlock):
 
 def test_store_then_load_round_trip_through_a_small_pool(rig):
     tree, reactor, sink = rig
-    reactor.submit_store("s", blocks(tree, 10))
+    reactor.write("s", blocks(tree, 10))
     stored = reactor.wait_for("s", timeout=30)
     assert stored.ok and stored.published == 10
     for b in blocks(tree, 10):
         assert check_block(b.path).header.key == b.key
-    reactor.submit_load("l", blocks(tree, 10, LoadBlock))
+    reactor.read("l", blocks(tree, 10, LoadBlock))
     loaded = reactor.wait_for("l", timeout=30)
     assert loaded.ok, loaded.failed
     assert sink.payloads == {i: pattern(i) for i in range(10)}
@@ -102,9 +102,9 @@ def test_store_then_load_round_trip_through_a_small_pool(rig):
 
 def test_second_store_of_same_blocks_publishes_nothing_and_leaves_no_temps(rig):
     tree, reactor, _ = rig
-    reactor.submit_store(1, blocks(tree, 4))
+    reactor.write(1, blocks(tree, 4))
     reactor.wait_for(1, timeout=30)
-    reactor.submit_store(2, blocks(tree, 4))
+    reactor.write(2, blocks(tree, 4))
     again = reactor.wait_for(2, timeout=30)
     assert again.ok and again.published == 0
     names = [n for _, _, files in os.walk(tree.root) for n in files]
@@ -113,7 +113,7 @@ def test_second_store_of_same_blocks_publishes_nothing_and_leaves_no_temps(rig):
 
 def test_missing_and_corrupt_blocks_fail_only_those_indices(rig):
     tree, reactor, sink = rig
-    reactor.submit_store("s", blocks(tree, 4))
+    reactor.write("s", blocks(tree, 4))
     reactor.wait_for("s", timeout=30)
     load = blocks(tree, 5, LoadBlock)  # index 4 was never stored
     with open(load[1].path, "r+b") as f:  # payload bit flip
@@ -122,7 +122,7 @@ def test_missing_and_corrupt_blocks_fail_only_those_indices(rig):
         f.seek(HEADER_SIZE + 100)
         f.write(bytes([byte[0] ^ 1]))
     os.truncate(load[2].path, HEADER_SIZE + 4096)  # truncated
-    reactor.submit_load("l", load)
+    reactor.read("l", load)
     result = reactor.wait_for("l", timeout=30)
     assert set(result.failed) == {1, 2, 4}
     assert result.failed[1].corrupt and "checksum" in str(result.failed[1])
@@ -141,13 +141,13 @@ def test_header_only_verification_accepts_a_payload_flip(tmp_path):
                       sink=sink, source=source)
     sink.reactor = source.reactor = reactor
     try:
-        reactor.submit_store("s", blocks(tree, 1))
+        reactor.write("s", blocks(tree, 1))
         reactor.wait_for("s", timeout=30)
         path = blocks(tree, 1)[0].path
         with open(path, "r+b") as f:
             f.seek(HEADER_SIZE)
             f.write(b"\xff")
-        reactor.submit_load("l", blocks(tree, 1, LoadBlock))
+        reactor.read("l", blocks(tree, 1, LoadBlock))
         assert reactor.wait_for("l", timeout=30).ok
         assert sink.payloads[0][:1] == b"\xff"
     finally:
@@ -157,23 +157,23 @@ def test_header_only_verification_accepts_a_payload_flip(tmp_path):
 
 def test_block_under_wrong_name_is_rejected(rig):
     tree, reactor, _ = rig
-    reactor.submit_store("s", blocks(tree, 2))
+    reactor.write("s", blocks(tree, 2))
     reactor.wait_for("s", timeout=30)
     a, b = blocks(tree, 2, LoadBlock)
     os.replace(a.path, b.path)  # block 0's bytes under block 1's name
-    reactor.submit_load("l", [b])
+    reactor.read("l", [b])
     result = reactor.wait_for("l", timeout=30)
     assert result.failed[0].corrupt and "another block key" in str(result.failed[0])
 
 
 def test_jobs_from_many_threads(rig):
     tree, reactor, sink = rig
-    reactor.submit_store("s", blocks(tree, 6))
+    reactor.write("s", blocks(tree, 6))
     reactor.wait_for("s", timeout=30)
     results = {}
 
     def load(job: int) -> None:
-        reactor.submit_load(job, blocks(tree, 6, LoadBlock))
+        reactor.read(job, blocks(tree, 6, LoadBlock))
         results[job] = reactor.wait_for(job, timeout=30)
 
     threads = [threading.Thread(target=load, args=(j,)) for j in range(4)]
@@ -201,9 +201,9 @@ def test_segmented_reads_issue_one_request_per_piece(tmp_path):
                       config=ReactorConfig(io_depth=2, open_ahead=4, read_segment=4096), sink=sink, source=source)
     sink.reactor = source.reactor = reactor
     try:
-        reactor.submit_store("s", blocks(tree, 1))
+        reactor.write("s", blocks(tree, 1))
         reactor.wait_for("s", timeout=30)
-        reactor.submit_load("l", blocks(tree, 1, LoadBlock))
+        reactor.read("l", blocks(tree, 1, LoadBlock))
         assert reactor.wait_for("l", timeout=30).ok
     finally:
         reactor.close()

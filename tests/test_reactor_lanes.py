@@ -137,10 +137,10 @@ def test_a_device_whose_reads_stall_does_not_starve_the_other_device(tmp_path):
     client = Client()
     reactor = make_reactor(tree, backend, medium, client, io_depth=2, open_ahead=2)
     try:
-        reactor.submit_store("s", slow + fast)
+        reactor.write("s", slow + fast)
         assert reactor.wait_for("s", timeout=30).ok
-        reactor.submit_load("slow", as_loads(slow))  # lane 1: its reads never complete
-        reactor.submit_load("fast", as_loads(fast))  # lane 0, queued behind them
+        reactor.read("slow", as_loads(slow))  # lane 1: its reads never complete
+        reactor.read("fast", as_loads(fast))  # lane 0, queued behind them
         fast_result = reactor.wait_for("fast", timeout=30)
         assert fast_result.ok and {i for job, i in client.payloads if job == "fast"} == set(range(6))
         assert len(backend.held) == 2  # lane 1 has io_depth reads out, no more
@@ -194,14 +194,14 @@ def test_payload_checks_run_off_the_reactor_thread_and_a_corrupt_payload_is_stil
 
     monkeypatch.setattr(pykv.reactor.verify, "verify_payload", recording)
     blocks = store_blocks(tree, 0, 4)
-    reactor.submit_store("s", blocks)
+    reactor.write("s", blocks)
     assert reactor.wait_for("s", timeout=30).ok
     with open(blocks[2].path, "r+b") as f:  # one payload bit flipped
         f.seek(HEADER_SIZE + 77)
         byte = f.read(1)
         f.seek(HEADER_SIZE + 77)
         f.write(bytes([byte[0] ^ 4]))
-    reactor.submit_load("l", as_loads(blocks))
+    reactor.read("l", as_loads(blocks))
     result = reactor.wait_for("l", timeout=30)
     assert set(result.failed) == {2}
     assert result.failed[2].corrupt and "payload checksum mismatch" in str(result.failed[2])
@@ -214,7 +214,7 @@ def test_reads_go_on_while_a_block_is_being_verified(verify_rig, monkeypatch):
     """io_depth 1: with the first block's check held, the other blocks are still read and checked."""
     tree, reactor, client = verify_rig
     blocks = store_blocks(tree, 0, 4)
-    reactor.submit_store("s", blocks)
+    reactor.write("s", blocks)
     assert reactor.wait_for("s", timeout=30).ok
     real = pykv.reactor.verify.verify_payload
     gate, others = threading.Event(), []
@@ -227,8 +227,8 @@ def test_reads_go_on_while_a_block_is_being_verified(verify_rig, monkeypatch):
         return real(header, payload, path=path)
 
     monkeypatch.setattr(pykv.reactor.verify, "verify_payload", held_for_block_0)
-    reactor.submit_load("first", as_loads(blocks[:1]))
-    reactor.submit_load("rest", as_loads(blocks[1:]))
+    reactor.read("first", as_loads(blocks[:1]))
+    reactor.read("rest", as_loads(blocks[1:]))
     assert reactor.wait_for("rest", timeout=30).ok  # read with block 0 still verifying
     assert others == [b.path for b in blocks[1:]]
     gate.set()
@@ -245,18 +245,18 @@ def test_stores_seal_on_the_verifier_threads_header_loads_start_none_and_close_s
         reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), client, verify=verify,
                                verify_threads=3)
         blocks = store_blocks(tree, 0 if verify == "full" else 5, 5)
-        reactor.submit_store("s", blocks)
+        reactor.write("s", blocks)
         reactor.wait_for("s", timeout=30)
         started = set(verifier_threads()) - before
         assert 0 < len(started) <= 3  # the stores' checksums, off the reactor thread in both modes
-        reactor.submit_load("l", as_loads(blocks))
+        reactor.read("l", as_loads(blocks))
         assert reactor.wait_for("l", timeout=30).ok
         close(reactor)
         assert not set(verifier_threads()) - before
     client = Client()  # header mode, loads only: nothing to hash, no thread
     reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), client, verify="header",
                            verify_threads=3)
-    reactor.submit_load("l", as_loads(store_blocks(tree, 0, 10)))
+    reactor.read("l", as_loads(store_blocks(tree, 0, 10)))
     assert reactor.wait_for("l", timeout=30).ok
     assert not set(verifier_threads()) - before
     close(reactor)
@@ -278,7 +278,7 @@ def test_a_stores_checksum_is_computed_on_a_verifier_thread_not_the_reactors(tmp
     reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), Client(), verify="header",
                            verify_threads=2)
     blocks = store_blocks(tree, 0, 4)
-    reactor.submit_store("s", blocks)
+    reactor.write("s", blocks)
     assert reactor.wait_for("s", timeout=30).ok
     close(reactor)
     assert len(sealed_on) == 4 and all(name.startswith(reactor_verify.THREAD_PREFIX) for name in sealed_on)
@@ -311,7 +311,7 @@ def test_stores_refused_before_any_io_still_finish_their_job(tmp_path, engine, m
     reactor = make_reactor(tree, backend, RefusingMedium(tree), Client(), verify="header", verify_threads=2)
     try:
         for round_ in range(3):
-            reactor.submit_store(round_, store_blocks(tree, 10 * round_, 1))
+            reactor.write(round_, store_blocks(tree, 10 * round_, 1))
             result = reactor.wait_for(round_, timeout=10)
             assert set(result.failed) == {0} and result.failed[0].medium_refuses_stores
     finally:

@@ -175,7 +175,7 @@ def test_a_store_and_a_load_run_through_a_dict_backed_medium(memory_reactor, cap
     caplog.set_level(logging.DEBUG, logger="pykv.reactor")
     reactor, medium, store, client = memory_reactor
     stores = [StoreBlock(medium.locate(NS.id, k), NS.fingerprint, k, GEOMETRY) for k in keys(4)]
-    reactor.submit_store("s", stores)
+    reactor.write("s", stores)
     stored = reactor.wait_for("s", timeout=30)
     assert stored.ok and stored.published == 4
     assert sorted(store.files) == sorted(str(b.path) for b in stores)  # published, no temporary left
@@ -184,7 +184,7 @@ def test_a_store_and_a_load_run_through_a_dict_backed_medium(memory_reactor, cap
 
     loads = [LoadBlock(b.path, b.namespace, b.key, GEOMETRY) for b in stores]
     loads.append(LoadBlock(medium.locate(NS.id, b"\x09" * 20), NS.fingerprint, b"\x09" * 20, GEOMETRY))
-    reactor.submit_load("l", loads)
+    reactor.read("l", loads)
     loaded = reactor.wait_for("l", timeout=30)
     assert client.payloads == {i: pattern(i) for i in range(4)}
     assert loaded.failed == {4: BlockFailure(Step.OPEN, errno.ENOENT, os.strerror(errno.ENOENT))}
@@ -195,16 +195,16 @@ def test_the_reactor_checks_what_the_medium_returns_and_never_replaces_a_block(m
     caplog.set_level(logging.DEBUG, logger="pykv.reactor")
     reactor, medium, store, client = memory_reactor
     stores = [StoreBlock(medium.locate(NS.id, k), NS.fingerprint, k, GEOMETRY) for k in keys(2)]
-    reactor.submit_store("s", stores)
+    reactor.write("s", stores)
     assert reactor.wait_for("s", timeout=30).ok
     store.files[str(stores[1].path)][HEADER_SIZE + 10] ^= 1  # a payload bit flip
     first = bytes(store.files[str(stores[0].path)])
 
-    reactor.submit_store("again", stores[:1])  # another writer's copy of block 0: the first one stays
+    reactor.write("again", stores[:1])  # another writer's copy of block 0: the first one stays
     again = reactor.wait_for("again", timeout=30)
     assert again.ok and again.published == 0 and bytes(store.files[str(stores[0].path)]) == first
 
-    reactor.submit_load("l", [LoadBlock(b.path, b.namespace, b.key, GEOMETRY) for b in stores])
+    reactor.read("l", [LoadBlock(b.path, b.namespace, b.key, GEOMETRY) for b in stores])
     loaded = reactor.wait_for("l", timeout=30)
     assert list(loaded.failed) == [1] and loaded.failed[1].corrupt and "checksum" in str(loaded.failed[1])
     assert client.payloads == {0: pattern(0)}

@@ -85,9 +85,9 @@ def submit(store: BlockStore, client: Client, job, keys, *, load: bool, dram=Non
     client.jobs[job] = list(keys)
     refs = [BlockRef(k, GEOMETRY, None if dram is None else dram[i], resident) for i, k in enumerate(keys)]
     if load:
-        store.submit_load(job, refs)
+        store.load_blocks(job, refs)
         return True
-    return store.submit_store(job, refs)
+    return store.store_blocks(job, refs)
 
 
 def test_a_store_then_a_load_round_trip_through_the_medium(store):

@@ -33,9 +33,9 @@ def test_a_reactor_over_a_memory_backed_tree_reads_with_the_thread_pool_under_au
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         with block_files("auto", [Path(d)], blocks_per_device=1, block_size=1 << 20, depth=1) as files:
             assert not files.reactor.medium.opens_direct and files.reactor.backend.name == "threadpool"
-            files.reactor.submit_store("s", files.stores)
+            files.reactor.write("s", files.stores)
             assert not files.reactor.wait_for("s").failed
-            files.reactor.submit_load("l", files.loads)
+            files.reactor.read("l", files.loads)
             assert not files.reactor.wait_for("l").failed
 
 

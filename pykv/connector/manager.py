@@ -1,12 +1,13 @@
 """``PykvManager``: the scheduler-side half of pykv (vLLM's ``OffloadingManager``).
 
 A translator, called from the engine core's scheduler loop only (one thread): it
-answers vLLM's lookups and plans its loads through ``pykv.block_index.BlockIndex`` (a
-request's survey over the DRAM tier and the file tree of every rank's namespace, the
-break-even gate, the load plan's tiers), turns ``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s
-into events of ``pykv.residency.DramResidency`` (the pure ledger that decides every
-DRAM slot assignment, so the worker processes need no shared state), and hands
-the workers plain instructions in ``PykvLoadSpec``/``PykvStoreSpec``.
+answers vLLM's lookups and plans its loads and stores through ``pykv.block_index.BlockIndex``
+(a request's survey over the DRAM tier and the file tree of every rank's namespace, the
+break-even gate, the load plan's tiers, which blocks a store writes), turns
+``prepare_*``/``complete_*``, cache resets and the workers' ``WorkerReport``s into events
+of ``pykv.residency.DramResidency`` (the pure ledger that decides every DRAM slot
+assignment, so the worker processes need no shared state), and hands the workers plain
+instructions in ``PykvLoadSpec``/``PykvStoreSpec``.
 
 Truth about the disk is the disk: a key is a disk hit only when the final file of
 every worker (each rank writes its own shard under its own namespace) exists, which
@@ -30,7 +31,7 @@ from collections import Counter
 from typing import Any, Collection
 
 from pykv.auth import load_key_ring
-from pykv.block_index import BlockIndex
+from pykv.block_index import BlockIndex, StoreRefusal
 from pykv.calibration import BreakEvenGate
 from pykv.maintenance.evictor import EvictionPolicy, TreeEvictor
 from pykv.maintenance.gauges import GaugeSample
@@ -157,29 +158,23 @@ class PykvManager(OffloadingManager):
 
     # -- stores --------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput:
-        """Skip keys already on disk, in DRAM or being stored; while stores are paused, or when this
-        instance only loads (``store`` false), store nothing."""
-        keys = list(keys)
-        refused = Metric.STORES_OFF if not self.pykv.store else \
-            Metric.STORES_DISABLED if self.store_pause.active(self._clock()) else \
-            Metric.STORES_OVER_LIMIT if self.evictor is not None and self.evictor.behind else None
-        if refused:
-            self.counters[refused] += len(keys)
-            self._write_stats()
-            return PrepareStoreOutput(keys_to_store=[], store_spec=PykvStoreSpec([]), evicted_keys=[])
-        to_store, slots = [], []
-        # (a key fenced by a cache reset keeps its DRAM entry until its transfer ends)
-        new = [key for key in keys if not self.residency.holds(key)]
-        self.counters[Metric.STORE_SKIPPED] += len(keys) - len(new)
-        for key, stored in zip(new, self.presence.find(new)):
-            if stored is not False:  # on disk, or its device did not answer: nothing to store there now
-                self.counters[Metric.STORE_SKIPPED if stored else Metric.STORES_UNANSWERED] += 1
-                continue
-            to_store.append(key)
-            slots.append(_slot_or_none(self.residency.begin_store(key)))
+        """``BlockIndex.plan_store``: keys already on disk, in DRAM or being stored are skipped; while
+        stores are paused, the tree is over its limit, or this instance only loads, nothing is stored."""
+        plan = self.index.plan_store(keys, self._store_refusal())
         self._write_stats()
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=PykvStoreSpec(to_store, slots),
+        return PrepareStoreOutput(keys_to_store=list(plan.keys),
+                                  store_spec=PykvStoreSpec(plan.keys, [_slot_or_none(s) for s in plan.slots]),
                                   evicted_keys=[])
+
+    def _store_refusal(self) -> StoreRefusal | None:
+        """Why this engine stores nothing now (``store`` false, a store pause, the evictor behind), or None."""
+        if not self.pykv.store:
+            return StoreRefusal.OFF
+        if self.store_pause.active(self._clock()):
+            return StoreRefusal.PAUSED
+        if self.evictor is not None and self.evictor.behind:
+            return StoreRefusal.OVER_LIMIT
+        return None
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """DRAM entries become hits; a slot stays pinned until every worker's write from it ended."""

@@ -51,7 +51,8 @@ STATS_INTERVAL_S = 0.05
 
 @dataclass
 class _Chunk:
-    """One storage block of a vLLM job: the GPU blocks it covers."""
+    """One storage block of a vLLM job: the GPU blocks it covers. It is the block's copy target
+    (``BlockRef.target``): the store hands it back in each ``SlotCopy``, so a copy needs no lookup."""
 
     group: int
     gpu_ids: np.ndarray
@@ -59,11 +60,6 @@ class _Chunk:
     key: bytes
     dram_slot: int | None = None
     resident: bool = False
-
-
-@dataclass
-class _Job:
-    chunks: list[_Chunk]
     ready: object = None  # the copier's marker: device work queued before the job (CUDA event)
 
 
@@ -78,7 +74,7 @@ class PykvWorker(OffloadingWorker):
         transient, dram = slot_counts(pykv, config)
         cuda = tensors[0].is_cuda
         self._lock = threading.Lock()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, list[_Chunk]] = {}  # open jobs: their chunks, for the failed blocks at the end
         self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
         self._load_ended: dict[int, float] = {}  # id() of load results in _finished: when they ended
         self._failed_blocks: set[int] = set()
@@ -118,7 +114,7 @@ class PykvWorker(OffloadingWorker):
                              failed_keys=list(src_spec.keys))
             return True
         self._open(job_id, chunks)
-        self.store.submit_load(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)],
+        self.store.load_blocks(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)],
                                owner=getattr(src_spec, "req_id", None), urgent=expedited)
         return True
 
@@ -130,7 +126,7 @@ class PykvWorker(OffloadingWorker):
             self._refuse_store(job_id, dst_spec)
             return True
         self._open(job_id, chunks)
-        if not self.store.submit_store(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)]):
+        if not self.store.store_blocks(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)]):
             with self._lock:
                 del self._jobs[job_id]
             self._refuse_store(job_id, dst_spec)  # stores are paused
@@ -144,7 +140,7 @@ class PykvWorker(OffloadingWorker):
         block wanted by several requests is read once. The request's load claims them.
         """
         for req_id, keys in plans.items():
-            self.store.submit_preloads(req_id, keys)
+            self.store.preload_blocks(req_id, keys)
 
     def release_preloads(self, req_ids) -> None:
         """These requests left the waiting queue: blocks only they wanted free their slots."""
@@ -240,11 +236,14 @@ class PykvWorker(OffloadingWorker):
 
     @staticmethod
     def _ref(chunk: _Chunk, geometry) -> BlockRef:
-        return BlockRef(chunk.key, geometry, chunk.dram_slot, chunk.resident)
+        return BlockRef(chunk.key, geometry, chunk.dram_slot, chunk.resident, target=chunk)
 
     def _open(self, job_id: int, chunks: list[_Chunk]) -> None:
+        ready = self.copier.mark_submitted()
+        for chunk in chunks:
+            chunk.ready = ready
         with self._lock:
-            self._jobs[job_id] = _Job(chunks, ready=self.copier.mark_submitted())
+            self._jobs[job_id] = chunks
 
     def _refuse_store(self, job_id: int, spec: PykvStoreSpec) -> None:
         """A store this worker does not run: every block failed, and this rank is done with their
@@ -263,18 +262,16 @@ class PykvWorker(OffloadingWorker):
             self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
 
     # -- the store's client (reactor, copier or engine thread) ---------------------------------------
-    def _tasks(self, copies, *, load: bool) -> list[CopyTask]:
-        with self._lock:
-            jobs = [self._jobs[c.job] for c in copies]
-        return [CopyTask(self._slot_tensors[c.slot][HEADER_SIZE:HEADER_SIZE + c.length], job.chunks[c.index].group,
-                         job.chunks[c.index].gpu_ids, job.chunks[c.index].skip if load else 0, token=c,
-                         after=job.ready) for c, job in zip(copies, jobs)]
+    def _tasks(self, copies: list[SlotCopy]) -> list[CopyTask]:
+        """Each copy with its chunk (``SlotCopy.target``) as the copier's task (stores' chunks never skip)."""
+        return [CopyTask(self._slot_tensors[c.slot][HEADER_SIZE:HEADER_SIZE + c.length], c.target.group,
+                         c.target.gpu_ids, c.target.skip, token=c, after=c.target.ready) for c in copies]
 
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        self.copier.to_slots(self._tasks(copies, load=False), lambda task, ok: done(task.token, ok))
+        self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        self.copier.from_slots(self._tasks(copies, load=True), lambda task, ok: done(task.token, ok))
+        self.copier.from_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
 
     def store_released(self, release: Release) -> None:
         """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release); or one
@@ -288,7 +285,7 @@ class PykvWorker(OffloadingWorker):
     def job_ended(self, end: JobEnd) -> None:
         report, failed_ids = WorkerReport(), []
         with self._lock:
-            chunks = self._jobs.pop(end.job).chunks
+            chunks = self._jobs.pop(end.job)
         if end.kind is Kind.LOAD:
             if end.failures:
                 failed_ids = [int(b) for c in chunks[end.first_failed:] for b in c.gpu_ids]

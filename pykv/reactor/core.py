@@ -17,9 +17,9 @@ schedules (this module) and hands the steps to its collaborators: ``Loads``
 (``pykv.reactor.loads``) and ``Stores`` (``pykv.reactor.stores``), over the
 ``ReactorContext`` they share (``pykv.reactor.context``: resources and transfers).
 
-Preloads: ``submit_preload(owner, blocks)`` reads blocks ahead for a request
+Preloads: ``read_ahead(owner, blocks)`` reads blocks ahead for a request
 that still waits (``owner``); one preload per file however many owners want it.
-A later ``submit_load(..., owner=...)`` of the same file claims the preload
+A later ``read(..., owner=...)`` of the same file claims the preload
 (shares its slot or joins its read) instead of reading it again;
 ``release_preloads(owner)`` drops the owner's interest, and a preload nobody
 wants any more frees its slot. ``stats`` counts reads, claims and waste.
@@ -89,14 +89,14 @@ class Reactor:
         self._thread.start()
 
     # -- client API (any thread) -----------------------------------------------------------
-    def submit_load(self, job: object, blocks: Sequence[LoadBlock], *, owner: Hashable | None = None,
+    def read(self, job: object, blocks: Sequence[LoadBlock], *, owner: Hashable | None = None,
                     urgent: bool = False) -> None:
         """Load ``blocks``; a block being preloaded is served by its preload (one read).
         ``owner``: the request the job belongs to; its interest in those preloads ends.
         ``urgent``: the caller waits for it now: its blocks go ahead of all other work."""
         self._post(lambda: self._add_job(job, Kind.LOAD, blocks, owner=owner, urgent=urgent))
 
-    def submit_preload(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
+    def read_ahead(self, owner: Hashable, blocks: Sequence[LoadBlock]) -> None:
         """Read ``blocks`` ahead into staging slots for ``owner`` (a request still waiting).
 
         Speculative work: it runs after all demand work, one read at a time, within the
@@ -113,7 +113,7 @@ class Reactor:
         """``owner`` no longer needs its preloads (scheduled, finished or aborted)."""
         self._post(lambda: self._loads.release_preloads(owner))
 
-    def submit_store(self, job: object, blocks: Sequence[StoreBlock]) -> None:
+    def write(self, job: object, blocks: Sequence[StoreBlock]) -> None:
         self._post(lambda: self._add_job(job, Kind.STORE, blocks))
 
     def shed_stores(self, jobs: Collection[object], done: Callable[[list[tuple[object, int]]], None]) -> None:

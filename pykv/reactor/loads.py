@@ -239,7 +239,7 @@ class Loads:
                 if t.block.slot is not None and t.block.slot != slot:  # a preload served a promotion
                     self._pool.copy_slot(slot, t.block.slot, t.header.file_size)
                     slot = t.slot = t.block.slot
-            batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header))
+            batch.append(ReadyBlock(tid, t.job.result.job, t.index, slot, t.header, t.block.target))
             self._stats["delivered_blocks"] += 1
             self._stats["delivered_bytes"] += t.header.file_size
         if not batch:

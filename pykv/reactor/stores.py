@@ -35,7 +35,7 @@ class Stores:
         t = self._transfers[action.transfer]
         t.slot = action.slot
         request = FillRequest(action.transfer, t.job.result.job, t.index, action.slot,
-                              t.block.geometry.payload_length)
+                              t.block.geometry.payload_length, t.block.target)
         if self._source is None:
             self.on_filled(action.transfer, False)
         else:

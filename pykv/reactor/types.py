@@ -40,6 +40,7 @@ class LoadBlock:
     key: bytes
     geometry: Geometry | None = None  # expected shape; None accepts what the header says
     slot: int | None = None  # a slot the caller owns (DRAM tier) to read into, instead of a pool slot
+    target: object = None  # the caller's: handed back in the block's ``ReadyBlock``
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StoreBlock:
     key: bytes
     geometry: Geometry
     slot: int | None = None  # a slot the caller owns (DRAM tier) to fill and write from
+    target: object = None  # the caller's: handed back in the block's ``FillRequest``
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ReadyBlock:
     index: int
     slot: int
     header: BlockHeader
+    target: object = None  # the ``LoadBlock``'s
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class FillRequest:
     index: int
     slot: int
     length: int
+    target: object = None  # the ``StoreBlock``'s
 
 
 class LoadSink(Protocol):
