@@ -7,10 +7,11 @@ read keys), so a key rotates by putting the new one first and removing the old o
 blocks are gone. The file must be a regular file that neither group nor others may read.
 
 A signed block (header version 2, ``pykv.format``) carries its key id and the MAC of its header
-bytes 0..175 followed by its payload. A reader with a key ring accepts a block only when that
-MAC verifies under the key its id names: an unsigned block, one of a key id not in the ring and
-one whose MAC differs are all refused (``AuthStatus``). The key bytes appear in no message,
-log line or ``repr``: only the file's path and the key ids do.
+bytes 0..175 followed by its payload; a signed coded block (version 4) the MAC of bytes 0..175,
+its codec field 208..463 and its stored payload (``pykv.format.signed_parts``). A reader with a
+key ring accepts a block only when that MAC verifies under the key its id names: an unsigned
+block, one of a key id not in the ring and one whose MAC differs are all refused (``AuthStatus``).
+The key bytes appear in no message, log line or ``repr``: only the file's path and the key ids do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Mapping
 import blake3
 
 from pykv.errors import InputError, PykvError
-from pykv.format import MAC_BYTES, MAC_FIELD, SIGNED_BYTES, BlockHeader, valid_key_id
+from pykv.format import MAC_BYTES, MAC_FIELD, BlockHeader, signed_parts, valid_key_id
 
 KEY_BYTES = 32
 MAX_KEYS = 64
@@ -109,13 +110,15 @@ class KeyRing:
         if key is None:
             return AuthStatus.UNKNOWN_KEY
         hasher = blake3.blake3(key=key, max_threads=self.hash_threads)
-        hasher.update(memoryview(head)[:SIGNED_BYTES])
+        for part in signed_parts(head):
+            hasher.update(part)
         return hasher
 
     def signing_hasher(self, head: bytes | memoryview) -> "blake3.blake3":
         """A hasher of the write key fed ``head``'s signed bytes (a header encoded with ``write_id``)."""
         hasher = blake3.blake3(key=self._keys[self.write_id], max_threads=self.hash_threads)
-        hasher.update(memoryview(head)[:SIGNED_BYTES])
+        for part in signed_parts(head):
+            hasher.update(part)
         return hasher
 
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import xxhash
 
 from pykv.auth import AuthStatus, KeyRing, sign, verdict
+from pykv.codec.base import Codec
 from pykv.errors import ChecksumError, FormatError
 from pykv.io.safe_paths import OpenedFile, open_regular
 from pykv.format import (HEADER_SIZE, BlockHeader, Geometry, TruncatedError, build_header, check_file_size, decode_header,
                          encode_header, padded, verify_payload)
+from pykv.format_codec import NONE
 from pykv.tree import KVTree
 
 #: The largest block file pykv reads (header-validated and equal to the file's size first): far
@@ -105,9 +107,14 @@ def read_payload(path: Path, *, verify: bool = True) -> tuple[BlockHeader, bytes
 
 
 def encode_block(namespace: bytes, key: bytes, geometry: Geometry, payload: bytes | memoryview, *,
-                 keys: KeyRing | None = None) -> bytes:
-    """Header, payload and zero padding: the exact bytes of a block file (signed with ``keys``'s write key)."""
-    header = build_header(namespace, key, geometry, payload, key_id=keys.write_id if keys is not None else b"")
+                 keys: KeyRing | None = None, codec: Codec | None = None) -> bytes:
+    """Header, payload and zero padding: the exact bytes of a block file (signed with ``keys``'s write key;
+    the raw ``payload`` stored as ``codec`` encodes it, a coded block unless the codec is ``none``)."""
+    params = NONE
+    if codec is not None and codec.params != NONE:
+        params, payload = codec.params, codec.encode(payload)  # type: ignore[assignment]  # bytes: no ``out``
+    header = build_header(namespace, key, geometry, payload, key_id=keys.write_id if keys is not None else b"",
+                          codec=params)
     encoded = encode_header(header)
     assert encoded is not None
     if keys is not None:
@@ -117,12 +124,13 @@ def encode_block(namespace: bytes, key: bytes, geometry: Geometry, payload: byte
 
 
 def write_block(tree: KVTree, namespace_id: str, key: bytes, geometry: Geometry,
-                payload: bytes | memoryview, *, keys: KeyRing | None = None) -> bool:
-    """Write and publish one block with buffered I/O (signed with ``keys``). False if it already existed."""
+                payload: bytes | memoryview, *, keys: KeyRing | None = None, codec: Codec | None = None) -> bool:
+    """Write and publish one block with buffered I/O (signed with ``keys``, stored by ``codec``). False if
+    it already existed."""
     final = tree.block_path(namespace_id, key)
     tree.ensure_parent(final)
     temp = tree.temp_path(final)
-    data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload, keys=keys)
+    data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload, keys=keys, codec=codec)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
     try:
         remaining = memoryview(data)

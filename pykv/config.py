@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from pykv.codec import CODEC_NAMES, UnknownCodecError
 from pykv.deviceset import MAX_DEVICES
 from pykv.errors import InputError
 from pykv.tiers import EVICTION_POLICIES
@@ -153,6 +154,12 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
     return parse
 
 
+def _codec(value: Any, key: str) -> str:
+    if not isinstance(value, str) or value not in CODEC_NAMES:
+        raise UnknownCodecError(f"{PREFIX}.{key}: unknown codec {str(value)[:40]!r} (known: {', '.join(CODEC_NAMES)})")
+    return value
+
+
 def _root(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InputError(f"{PREFIX}.{key}: expected a directory path, got {value!r}")
@@ -232,6 +239,9 @@ class PykvConfig:
                                       "or MACs (auth_key_file) beside the reads, and seal stores (checksum, MAC). "
                                       "auto: max(4, min(devices, half the host's cores)).",
                                       "int")
+    codec: str = _key(_codec, "none", "How block payloads are stored: none (as they are), planes-zstd (lossless, "
+                      "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, half "
+                      "the bytes). Each codec is a namespace of its own. See docs/codecs.md.", "str")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "

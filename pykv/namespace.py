@@ -8,6 +8,11 @@ block-hash seed, among others). The fingerprint is the first 16 bytes of
 xxh3-128 over the canonical JSON of those fields; its hex form names the
 namespace directory. ``label`` (the model as the first writer named it) is
 shown to people and not part of the fingerprint.
+
+A codec other than ``none`` (``pykv.codec``) is the extra fact ``codec``: its
+``params``, so engines storing blocks differently never share them, while an
+engine of codec ``none`` keeps the fingerprint (and ``namespace.json``) of
+pykv before codecs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ import xxhash
 
 from pykv.errors import InputError
 from pykv.format import FORMAT_VERSION
+from pykv.format_codec import NONE, valid_params
+
+CODEC_FACT = "codec"
+"""The ``extra`` key holding a namespace's codec ``params`` (absent for ``none``)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,19 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_size:
             raise InputError(f"tp_rank: {self.tp_rank} is outside tp_size {self.tp_size}")
         object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in self.extra)))
+        codec = dict(self.extra).get(CODEC_FACT)
+        if codec is not None and not valid_params(codec):  # ``none`` included: it is never a fact
+            raise InputError(f"extra.{CODEC_FACT}: {codec[:80]!r} is not a codec's params other than {NONE!r}")
+
+    @property
+    def codec(self) -> str:
+        """The ``params`` of the codec this namespace's blocks are stored with (``none``: as they are)."""
+        return dict(self.extra).get(CODEC_FACT, NONE)
+
+    @staticmethod
+    def codec_facts(params: str) -> dict[str, str]:
+        """The ``extra`` facts naming codec ``params``: none for ``none`` (the fingerprint before codecs)."""
+        return {} if params == NONE else {CODEC_FACT: params}
 
     def describe(self) -> dict[str, Any]:
         """The fields as a JSON-ready mapping (what ``namespace.json`` holds)."""

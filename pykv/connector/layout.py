@@ -28,11 +28,13 @@ def tokens_per_chunk(config: OffloadingConfig) -> int:
     return config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
 
 
-def namespace_for(config: OffloadingConfig, rank: int) -> Namespace:
+def namespace_for(config: OffloadingConfig, rank: int, *, codec: str = "none") -> Namespace:
     """The namespace of ``rank``'s KV bytes (the scheduler looks up rank 0's).
 
     Keyed on what the model is and on vLLM's block-hash seed (``pykv.connector.identity``),
-    not on the path the model was given by; that path is the namespace's label.
+    not on the path the model was given by; that path is the namespace's label. ``codec``: the
+    ``params`` of the engine's codec (``Codec.params``); ``none`` keeps the namespace of pykv
+    before codecs, any other is a fact of the namespace.
     """
     parallel = config.parallel
     tp_size = max(parallel.tp_size, 1)
@@ -52,6 +54,7 @@ def namespace_for(config: OffloadingConfig, rank: int) -> Namespace:
         "dcp_size": getattr(parallel, "dcp_size", 1),
         "world_size": parallel.world_size,
         "rank": rank,
+        **Namespace.codec_facts(codec),
     }
     return Namespace(model=model_identity(config.model.name, revision), label=config.model.name,
                      dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
