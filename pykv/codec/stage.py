@@ -1,0 +1,143 @@
+"""``CodecStage``: a worker's codec step between the engine's copies and the staging slots.
+
+A store's payload is copied raw into its slot by the engine's copier, then encoded here
+(``encode``): when the stored bytes are smaller they replace the payload at the start of the
+slot, otherwise the block is stored raw (codec ``none``; a codec refusing a payload, e.g.
+``fp8`` and non-finite values, also stores it raw). A load's stored bytes are decoded here
+(``decode``) into a scratch buffer, which the copier copies to the engine and then hands back
+(``release``): a slot's bytes are never changed by a load, so a DRAM-tier slot serves the
+next hit as it is.
+
+Bounded memory: one pool of ``threads + SPARE_BUFFERS`` scratch buffers of one slot each
+(page-locked with ``register`` on CUDA), allocated once; codec work waits for a free buffer.
+It runs on ``threads`` threads; zstd and numpy release the GIL. No torch and no vLLM here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from pykv.codec.base import Codec, CodecError
+from pykv.staging import StagingPool
+
+log = logging.getLogger(__name__)
+
+THREAD_PREFIX = "pykv-codec"
+SPARE_BUFFERS = 2
+"""Scratch buffers beyond one per thread: decodes go on while decoded blocks are being copied."""
+
+Stored = int | None
+"""What ``encode`` made of a payload: the stored length now at the start of the slot, or None (raw)."""
+
+
+class CodecStage:
+    """Encodes store payloads in place and decodes loads into scratch buffers; thread-safe."""
+
+    def __init__(self, codec: Codec, scratch_bytes: int, *, threads: int,
+                 register: Callable[[int, int], None] | None = None,
+                 unregister: Callable[[int], None] | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"codec threads must be >= 1, got {threads}")
+        self.codec = codec
+        self.scratch = StagingPool(scratch_bytes, threads + SPARE_BUFFERS, register=register, unregister=unregister)
+        self._free = list(range(self.scratch.num_slots))
+        self._freed = threading.Condition()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
+        self._closed = False
+
+    @property
+    def params(self) -> str:
+        """The codec's identity, as block headers record it."""
+        return self.codec.params
+
+    # -- stores ------------------------------------------------------------------------------------
+    def encode(self, payload: memoryview, done: Callable[[Stored], None]) -> None:
+        """Encode the raw ``payload`` (a slot's payload bytes, writable) on a codec thread;
+        ``done(stored)`` there once the slot holds what is to be written."""
+        self._pool.submit(self._encode, payload, done)
+
+    def _encode(self, payload: memoryview, done: Callable[[Stored], None]) -> None:
+        stored: Stored = None
+        buffer = self._take()
+        if buffer is None:  # closing: stored raw
+            done(None)
+            return
+        try:
+            out = self.scratch.view(buffer)
+            if self.codec.encoded_bound(len(payload)) <= len(out):
+                length = self.codec.encode(payload, out)
+                if length < len(payload):
+                    payload[:length] = out[:length]
+                    stored = length
+        except CodecError as exc:
+            log.debug("pykv: %s; the block is stored raw", exc)
+        except Exception:  # a bug: the block is stored raw, never lost
+            log.exception("pykv: encoding a block raised; it is stored raw")
+        finally:
+            self.release(buffer)
+        done(stored)
+
+    # -- loads -------------------------------------------------------------------------------------
+    def decode(self, stored: memoryview, raw_length: int, params: str, done: Callable[[int | None], None]) -> None:
+        """Decode ``stored`` (a slot's stored bytes) to ``raw_length`` bytes on a codec thread;
+        ``done(buffer)`` there with the scratch buffer holding them (``release`` it after the copy),
+        or ``done(None)``: another codec's block, or bytes the codec refuses (a miss)."""
+        self._pool.submit(self._decode, stored, raw_length, params, done)
+
+    def _decode(self, stored: memoryview, raw_length: int, params: str, done: Callable[[int | None], None]) -> None:
+        if params != self.codec.params:
+            log.warning("pykv: a block stored by codec %r, this engine's is %r: not loaded", params,
+                        self.codec.params)
+            done(None)
+            return
+        if not 0 <= raw_length <= self.scratch.slot_bytes:
+            done(None)
+            return
+        buffer = self._take()
+        if buffer is None:  # closing
+            done(None)
+            return
+        try:
+            self.codec.decode(stored, self.scratch.view(buffer)[:raw_length])
+        except CodecError as exc:
+            log.warning("pykv: %s; the block is recomputed", exc)
+            self.release(buffer)
+            done(None)
+            return
+        except Exception:  # a bug: this block is recomputed, nothing hangs
+            log.exception("pykv: decoding a block raised; it is recomputed")
+            self.release(buffer)
+            done(None)
+            return
+        done(buffer)
+
+    def view(self, buffer: int) -> memoryview:
+        """The bytes of scratch ``buffer``."""
+        return self.scratch.view(buffer)
+
+    def release(self, buffer: int) -> None:
+        """Scratch ``buffer`` is free again (its decoded bytes were copied out)."""
+        with self._freed:
+            self._free.append(buffer)
+            self._freed.notify()
+
+    def _take(self) -> int | None:
+        """A free scratch buffer, waiting for one; None once the stage closes."""
+        with self._freed:
+            while not self._free and not self._closed:
+                self._freed.wait()
+            return self._free.pop() if self._free and not self._closed else None
+
+    def close(self) -> None:
+        """Finish the codec work under way (work still waiting for a buffer gives up) and free the
+        scratch memory; after the copier stopped, so no decoded buffer is still being copied."""
+        with self._freed:
+            if self._closed:
+                return
+            self._closed = True
+            self._freed.notify_all()
+        self._pool.shutdown(wait=True)
+        self.scratch.close()
