@@ -223,13 +223,13 @@ def test_only_a_load_can_be_urgent():
 
 def test_the_worker_submits_an_expedited_load_as_urgent(rig, monkeypatch):
     seen = []
-    submit = rig.worker.reactor.submit_load
+    submit = rig.worker.reactor.read
 
     def spy(job, blocks, **kwargs):
         seen.append(kwargs.get("urgent"))
         submit(job, blocks, **kwargs)
 
-    monkeypatch.setattr(rig.worker.reactor, "submit_load", spy)
+    monkeypatch.setattr(rig.worker.reactor, "read", spy)
     c = pykv_connector(worker=rig.worker)
     regular = rig.manager.prepare_load(chunk_keys(1, salt=3), ReqContext("a"))
     expedited = rig.manager.prepare_load(chunk_keys(1, salt=4), ReqContext("b"))

@@ -138,7 +138,7 @@ class Rig:
         job = next(self._ids)
         outcome = Outcome(JobResult(job, None, len(blocks)))  # type: ignore[arg-type]
         self._jobs[job] = (list(keys), outcome)
-        (self.reactor.submit_store if store else self.reactor.submit_load)(job, blocks)
+        (self.reactor.write if store else self.reactor.read)(job, blocks)
         outcome.result = self.reactor.wait_for(job, timeout=timeout)
         del self._jobs[job]
         return outcome
