@@ -32,7 +32,9 @@ hold): a codec's bound is computed for the raw length, which must not take unbou
 
 def valid_params(params: str | bytes) -> bool:
     """1..256 visible ASCII characters, and not ``none`` (which is never a coded block's)."""
-    raw = params.encode("ascii", "replace") if isinstance(params, str) else params
+    if isinstance(params, str) and not params.isascii():
+        return False
+    raw = params.encode("ascii") if isinstance(params, str) else params
     return 1 <= len(raw) <= PARAMS_BYTES and all(c in PARAMS_CHARS for c in raw) and raw != NONE.encode()
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -66,6 +67,7 @@ def _set_dict(reports: list[FsckReport]) -> dict[str, Any]:
     for report in reports:
         for problem, count in report.counts.items():
             counts[problem] = counts.get(problem, 0) + count
+    codecs = sum((report.codecs for report in reports), Counter())
     return {"roots": [report.root for report in reports],
             "blocks_checked": sum(r.blocks_checked for r in reports),
             "bytes_checked": sum(r.bytes_checked for r in reports), "counts": counts,
@@ -73,6 +75,7 @@ def _set_dict(reports: list[FsckReport]) -> dict[str, Any]:
             "unreachable_bytes": sum(r.unreachable_bytes for r in reports),
             **({} if reports[0].auth is None else {"auth": {
                 status.value: sum(r.auth[status.value] for r in reports) for status in AuthStatus}}),
+            **({"codecs": dict(codecs)} if codecs else {}),
             "clean": all(r.clean for r in reports), "quarantined": _total_quarantined(reports),
             "devices": [r.as_dict() for r in reports]}
 
@@ -89,6 +92,7 @@ def _render_set(out: Console, data: dict[str, Any]) -> None:
             line(out, f"unreachable {plural(device['unreachable_blocks'], 'block')} "
                       f"({size(device['unreachable_bytes'])}): on this device, placed on another by this set "
                       f"(left in place)")
+    _render_codecs(out, data)
     _render_auth(out, data)
     line(out, f"{len(data['devices'])} devices: checked {plural(data['blocks_checked'], 'block')}, "
               f"{plural(data['unreachable_blocks'], 'block')} unreachable; "
@@ -101,6 +105,7 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     if data["findings"]:
         line(out, "found: " + ", ".join(f"{count} {problem}" for problem, count in sorted(data["counts"].items())))
     line(out, f"checked {plural(data['blocks_checked'], 'block')}")
+    _render_codecs(out, data)
     _render_auth(out, data)
     if data["quarantine"] is not None:
         deleted, moved = data["deleted"], data["moved"]
@@ -126,6 +131,12 @@ def _render_quarantined(out: Console, quarantined: dict[str, Any], where: str) -
     if not quarantined["complete"]:
         text += ", counted in part"
     line(out, text + "; kept until deleted by hand")
+
+
+def _render_codecs(out: Console, data: dict[str, Any]) -> None:
+    codecs = data.get("codecs")
+    if codecs:  # params come from the files: visible ASCII only (``pykv.format_codec``)
+        line(out, "coded: " + ", ".join(f"{plural(count, 'block')} {params}" for params, count in sorted(codecs.items())))
 
 
 def _render_auth(out: Console, data: dict[str, Any]) -> None:

@@ -42,6 +42,11 @@ counted by class (``FsckReport.auth``: ``signed``, ``unsigned``, ``foreign-key``
 ``bad-mac``); only ``bad-mac`` is a problem: an unsigned block or one signed with a key id
 the file does not hold is not damage (an engine with the key refuses it as a miss).
 
+A coded block (``pykv.format_codec``: a codec other than ``none`` stored its payload) is
+checked like any other: its checksum (and MAC) over the stored bytes, its stored length within
+its codec's bound (else ``bad-header``); sound ones are counted by codec (``FsckReport.codecs``).
+Decoding is not tried: the engine that reads a block decodes it, and refuses it as a miss.
+
 Over a device set (``fsck_devices``) each device is checked as a tree of its own and
 reported on its own; a sound block on a device other than the two the set's placement
 picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it
@@ -60,7 +65,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pykv.auth import AuthStatus, KeyRing
-from pykv.blockfile import check_block, read_header
+from pykv.blockfile import CheckedBlock, check_block, read_header
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError
 from pykv.format import OversizedError, TruncatedError
@@ -124,6 +129,7 @@ class FsckReport:
     unreachable_blocks: int = 0  # sound blocks on a device the set does not look on (``placement``)
     unreachable_bytes: int = 0
     auth: Counter[str] | None = None  # with a key ring: sound blocks by ``AuthStatus`` value
+    codecs: Counter[str] = field(default_factory=Counter)  # coded blocks in place, by codec params
     quarantined: QuarantineUsage = QuarantineUsage(0, 0)  # all of .pykv/quarantine, after the run
 
     @property
@@ -150,6 +156,7 @@ class FsckReport:
                 "clean": self.clean, "quarantined": self.quarantined.as_dict(),
                 **({} if self.auth is None else {"auth": {status.value: self.auth[status.value]
                                                           for status in AuthStatus}}),
+                **({"codecs": dict(self.codecs)} if self.codecs else {}),
                 **({} if self.device_id is None else {
                     "id": self.device_id, "unreachable_blocks": self.unreachable_blocks,
                     "unreachable_bytes": self.unreachable_bytes})}
@@ -165,8 +172,9 @@ def check_block_file(tree: KVTree, path: str, keys: KeyRing | None = None) -> tu
 
 
 def _inspect_block_file(tree: KVTree, path: str,
-                        keys: KeyRing | None) -> tuple[tuple[Problem, str] | None, AuthStatus | None]:
-    """``check_block_file`` and, for a sound block with ``keys``, what the ring says of it."""
+                        keys: KeyRing | None) -> tuple[tuple[Problem, str] | None, CheckedBlock | None]:
+    """``check_block_file`` and the checked block (its header; with ``keys``, what the ring says of
+    it), unless it is damaged or misplaced."""
     try:
         checked = check_block(Path(path), keys=keys)
     except FormatError as exc:
@@ -180,8 +188,8 @@ def _inspect_block_file(tree: KVTree, path: str,
     if str(expected) != path:
         return (Problem.MISPLACED, f"header says it belongs at {relative(tree, expected)}"), None
     if checked.auth is AuthStatus.BAD_MAC:
-        return (Problem.BAD_MAC, f"{checked.auth.reason} (key {header.key_id.decode()})"), checked.auth
-    return None, checked.auth
+        return (Problem.BAD_MAC, f"{checked.auth.reason} (key {header.key_id.decode()})"), checked
+    return None, checked
 
 
 def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
@@ -199,7 +207,7 @@ def _classify_damage(path: str, exc: FormatError) -> tuple[Problem, str]:
 
 
 def _check_entry(tree: KVTree, entry: Entry, min_temp_mtime_ns: int,
-                 keys: KeyRing | None = None) -> tuple[tuple[Problem, str] | None, AuthStatus | None]:
+                 keys: KeyRing | None = None) -> tuple[tuple[Problem, str] | None, CheckedBlock | None]:
     if entry.kind is Kind.BLOCK:
         return _inspect_block_file(tree, entry.path, keys)
     return _check_other(entry, min_temp_mtime_ns), None
@@ -239,11 +247,13 @@ def fsck(tree: KVTree, *, grace_s: float = DEFAULT_GRACE_S,
     min_temp_mtime_ns = time.time_ns() - int(grace_s * 1e9)
     for entry in walk(tree):
         try:
-            found, status = _check_entry(tree, entry, min_temp_mtime_ns, keys)
+            found, checked = _check_entry(tree, entry, min_temp_mtime_ns, keys)
         except FileNotFoundError:
             continue
-        if report.auth is not None and status is not None:
-            report.auth[status.value] += 1
+        if report.auth is not None and checked is not None and checked.auth is not None:
+            report.auth[checked.auth.value] += 1
+        if checked is not None and checked.header.coded:
+            report.codecs[checked.header.codec] += 1
         if entry.kind is Kind.BLOCK:
             report.blocks_checked += 1
             report.bytes_checked += entry.size

@@ -27,6 +27,7 @@ from pykv.maintenance.gc import last_gc
 from pykv.maintenance.placement import DeviceShare, device_shares
 from pykv.maintenance.quarantine import QuarantineUsage, combined, counted
 from pykv.maintenance.scan import Entry, Kind, Scan
+from pykv.namespace import CODEC_FACT
 from pykv.tree import NAMESPACE_FILE, KVTree
 
 #: Upper bounds (seconds) and labels of the age histogram's buckets.
@@ -144,14 +145,17 @@ def _shallow(value: Any, depth: int = 0) -> Any:
 
 
 def describe_namespace(fields: dict[str, Any]) -> str:
-    """A short description (model, dtype, ranks, block tokens, hash seed); '' if unreadable."""
+    """A short description (model, dtype, ranks, block tokens, hash seed, a codec other than
+    ``none`` by its name); '' if unreadable."""
     try:
         text = (f"{fields.get('label') or fields['model']} {fields['dtype']} tp{fields.get('tp_rank', 0)}/"
                 f"{fields.get('tp_size', 1)} pp{fields.get('pp_rank', 0)} {fields['tokens_per_block']} tokens/block")
     except (KeyError, TypeError):
         return ""
     seed = fields.get("extra.block_hash_seed")
-    return text + (f" seed {str(seed)[:16]}" if seed is not None else "")
+    codec = fields.get(f"extra.{CODEC_FACT}")
+    return (text + (f" seed {str(seed)[:16]}" if seed is not None else "")
+            + (f" codec {str(codec).partition(':')[0][:32]}" if codec is not None else ""))
 
 
 def _add_differences(namespaces: list[NamespaceSummary]) -> None:
