@@ -5,7 +5,9 @@ I/O that moves bytes (open, read, write, fsync, close) still runs on the reactor
 backend; the medium says *how* to open a block (``OpenSpec``: the path and flags the
 backend's OPEN takes), checks what an open returned, and carries out the synchronous
 steps around a store (directories, temporary name, publication, abandon), the
-quarantine of a corrupt block, and the scheduler's lookup and access stamp.
+quarantine of a corrupt block, and the scheduler's lookup and access stamp. Those
+synchronous steps block on a stalled mount, so the reactor makes them on the threads of the
+block's device (``lane``; ``pykv.reactor.fileops``), never on its own thread.
 
 A block is named by its *location*, a ``Path`` the medium hands out (``locate``); every
 other call takes a location back. A medium over several roots or devices (a striped set)
@@ -41,7 +43,9 @@ class WriteTarget:
 
 
 class Medium(abc.ABC):
-    """Where block files live. Called from the reactor thread only (``quarantine``: any thread)."""
+    """Where block files live. Called from the reactor thread and its devices' threads (the blocking
+    calls: ``check_opened``, ``prepare_write``, ``publish``, ``abandon``, ``quarantine``), so a
+    call may run beside another."""
 
     name: str = "abstract"
 
@@ -52,6 +56,11 @@ class Medium(abc.ABC):
 
     def lane(self, location: Path) -> int:
         """The device (``0..lanes-1``) that holds ``location``."""
+        return 0
+
+    def first_lane(self, namespace_id: str, key: bytes) -> int:
+        """The device ``locate`` asks first for the block (no I/O): where a blocking call that starts
+        from the key, not a location (a quarantine's ``locate``), is made."""
         return 0
 
     @property

@@ -53,6 +53,9 @@ class StripedMedium(Medium):
     def lane(self, location: Path) -> int:
         return self.devices.device_of(location)
 
+    def first_lane(self, namespace_id: str, key: bytes) -> int:
+        return self.devices.candidates(key)[0]
+
     @property
     def opens_direct(self) -> bool:
         return all(medium.opens_direct for medium in self.media)

@@ -16,6 +16,7 @@ from pykv.failures import BlockFailure
 from pykv.io.backend import IoBackend, IoRequest, OpKind
 from pykv.media.base import Medium
 from pykv.policy import ReactorPolicy
+from pykv.reactor.fileops import FileCalls
 from pykv.reactor.types import Awaiting, TransferState
 from pykv.reactor.verify import PayloadVerifier
 from pykv.staging import StagingPool
@@ -27,7 +28,9 @@ log = logging.getLogger(__package__)  # "pykv.reactor": one logger for the whole
 class ReactorContext:
     """The reactor thread's shared state. ``post(command)`` runs ``command`` on the reactor thread
     (the verifier threads report through it); ``hashing`` counts the blocks on the verifier
-    threads (their slots must outlive the hashing; the reactor stops only when it is 0)."""
+    threads (their slots must outlive the hashing; the reactor stops only when it is 0); ``files``
+    makes the medium's blocking calls on each device's threads (the reactor stops only when none
+    of them is pending)."""
 
     backend: IoBackend
     pool: StagingPool
@@ -35,6 +38,7 @@ class ReactorContext:
     policy: ReactorPolicy
     verifier: PayloadVerifier
     post: Callable[[Callable[[], None]], None]
+    files: FileCalls
     stats: Counter[str]
     transfers: dict[int, TransferState] = field(default_factory=dict)
     hashing: int = 0

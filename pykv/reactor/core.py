@@ -15,7 +15,10 @@ The decisions live in ``ReactorPolicy``; where a block lives and how it is opene
 checked, published and quarantined is the ``Medium``'s (``pykv.media``); the reactor
 schedules (this module) and hands the steps to its collaborators: ``Loads``
 (``pykv.reactor.loads``) and ``Stores`` (``pykv.reactor.stores``), over the
-``ReactorContext`` they share (``pykv.reactor.context``: resources and transfers).
+``ReactorContext`` they share (``pykv.reactor.context``: resources and transfers). The
+medium's blocking calls (an open's fstat, a store's mkdir, link, unlink) run on the threads
+of the block's device (``pykv.reactor.fileops``), never on the reactor thread: a stalled
+device holds its own blocks only.
 
 Preloads: ``read_ahead(owner, blocks)`` reads blocks ahead for a request
 that still waits (``owner``); one preload per file however many owners want it.
@@ -41,6 +44,7 @@ from pykv.io.backend import IoBackend, IoCompletion, IoRequest
 from pykv.media.base import Medium
 from pykv.policy import Deliver, Fill, Finish, Kind, Open, Read, ReactorPolicy, Write
 from pykv.reactor.context import ReactorContext
+from pykv.reactor.fileops import FileCalls, Outcome
 from pykv.reactor.loads import Loads
 from pykv.reactor.stores import Stores
 from pykv.reactor.types import (STATS, Awaiting, JobResult, JobState, LoadBlock, LoadSink, ReactorConfig, StoreBlock,
@@ -77,7 +81,9 @@ class Reactor:
         self.keys = keys  # with a key ring every load is authenticated and every store signed
         self._verifier = PayloadVerifier(self.config.verify_threads, keys)  # threads start on first use
         self.stats: Counter[str] = Counter({name: 0 for name in STATS})  # written by the reactor thread only
-        self._ctx = ReactorContext(backend, pool, medium, self.policy, self._verifier, self._post, self.stats)
+        self._files = FileCalls(lanes, self._post)  # threads start on first use
+        self._ctx = ReactorContext(backend, pool, medium, self.policy, self._verifier, self._post, self._files,
+                                   self.stats)
         self._loads = Loads(self._ctx, sink, read_segment=self.config.read_segment,
                             verify=self.config.verify == "full" or keys is not None)
         self._stores = Stores(self._ctx, source)
@@ -151,13 +157,22 @@ class Reactor:
                     raise TimeoutError(f"job {job!r} did not finish in {timeout} s")
                 self._done.wait(remaining)
 
+    def call_on_lane(self, lane: int, call: Callable[[], object], done: Callable[[Outcome], None]) -> None:
+        """Make the medium's blocking call ``call()`` (a quarantine's rename) on the threads of device
+        ``lane``, then ``done(outcome)`` on that thread; after ``close`` both run on the caller's."""
+        self._files.start(lane, call, done)
+
     def close(self, timeout: float | None = None) -> bool:
-        """Finish in-flight work (I/O and checks), stop the threads and close the backend. With
-        ``timeout``: False when the I/O in flight did not end within it (a stalled mount): the reactor
-        thread and the backend are left as they are (the caller must keep the memory they use)."""
+        """Finish in-flight work (I/O, checks, the medium's calls), stop the threads and close the
+        backend. With ``timeout``: False when the I/O or a medium call in flight did not end within it
+        (a stalled mount): the reactor thread and the backend are left as they are (the caller must
+        keep the memory they use)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._post(self._stop)
         self._thread.join(timeout)
         if self._thread.is_alive():
+            return False
+        if not self._files.close(None if deadline is None else max(0.0, deadline - time.monotonic())):
             return False
         self._verifier.close()
         self.backend.close()
@@ -180,7 +195,8 @@ class Reactor:
                 self._perform(actions)
                 actions = self.policy.step()
             self._note_high_water()
-            if self._stopping and self.backend.in_flight == 0 and not self._ctx.hashing and not self._inbox:
+            if (self._stopping and self.backend.in_flight == 0 and not self._ctx.hashing and not self._files.pending
+                    and not self._inbox):
                 return
             if self._inbox:
                 continue
@@ -193,10 +209,11 @@ class Reactor:
         if not blocks:
             self._finish_job(state)
         for index, block in enumerate(blocks):
-            tid = self._ctx.add_transfer(TransferState(state, index, block))
+            lane = self.medium.lane(block.path)
+            tid = self._ctx.add_transfer(TransferState(state, index, block, lane=lane))
             if kind is Kind.LOAD and self._loads.claim(tid, block, owner):
                 continue
-            self.policy.add(tid, kind, slot=block.slot, urgent=urgent, lane=self.medium.lane(block.path))
+            self.policy.add(tid, kind, slot=block.slot, urgent=urgent, lane=lane)
 
     def _shed(self, jobs: set[object]) -> list[tuple[object, int]]:
         self._perform(self.policy.step())  # a store that can have a slot now keeps its blocks
@@ -231,9 +248,7 @@ class Reactor:
             elif isinstance(action, Fill):
                 self._stores.request_fill(action)
             elif isinstance(action, Write):
-                request = self._stores.start_write(action.transfer)
-                if request is not None:
-                    requests.append(request)
+                self._stores.start_write(action.transfer)
             elif isinstance(action, Deliver):
                 deliveries.append(action)
             elif isinstance(action, Finish):

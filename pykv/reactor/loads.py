@@ -18,6 +18,7 @@ from pykv.format import HEADER_SIZE, BlockHeader, TruncatedError, check_file_siz
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Deliver, Kind, Stage
 from pykv.reactor.context import ReactorContext
+from pykv.reactor.fileops import Outcome
 from pykv.reactor.types import (Awaiting, JobResult, JobState, LoadBlock, LoadSink, ReadyBlock, TransferState,
                                 segment_count, slot_header)
 
@@ -25,7 +26,7 @@ from pykv.reactor.types import (Awaiting, JobResult, JobState, LoadBlock, LoadSi
 class Loads:
     """Loads and preloads; see ``pykv.reactor.core`` for the whole picture.
 
-    Uses the context's backend, pool, medium, policy, verifier, transfers, stats, ``hashing``,
+    Uses the context's backend, pool, medium, policy, verifier, files, transfers, stats, ``hashing``,
     ``post``, ``close`` and ``fail``; ``sink`` takes the ready blocks (None: each is consumed at once),
     ``read_segment`` splits a first read (``ReactorConfig``), ``verify`` hashes each payload
     (checksum or MAC) before the block counts as read."""
@@ -54,9 +55,10 @@ class Loads:
                 self._transfers[tid].owners.add(owner)
                 continue
             job = JobState(JobResult(("preload", path), Kind.PRELOAD, 1), 1, time.monotonic(), internal=True)
-            tid = self._ctx.add_transfer(TransferState(job, 0, block, owners={owner}))
+            lane = self._medium.lane(block.path)
+            tid = self._ctx.add_transfer(TransferState(job, 0, block, owners={owner}, lane=lane))
             self._preloads[path] = tid
-            self._policy.add(tid, Kind.PRELOAD, lane=self._medium.lane(block.path))
+            self._policy.add(tid, Kind.PRELOAD, lane=lane)
             self._stats["preloads_submitted"] += 1
 
     def release_preloads(self, owner: Hashable) -> None:
@@ -108,12 +110,24 @@ class Loads:
                          resolve=spec.resolve)
 
     def on_opened(self, tid: int, t: TransferState, result: int) -> None:
+        """The open ended: an opened file is checked by the medium on its device's threads first."""
         if result >= 0:
-            try:
-                t.size = self._medium.check_opened(result)
-            except OSError as exc:  # a planted FIFO, device or directory: refused before any read
-                self._backend.submit([IoRequest(OpKind.CLOSE, (Awaiting.CLOSE, None), fd=result)])
-                result = -(exc.errno or errno.EIO)
+            self._ctx.files.run(t.lane, lambda: self._medium.check_opened(result),
+                                lambda outcome: self._checked(tid, t, result, outcome))
+            return
+        self._opened(tid, t, result)
+
+    def _checked(self, tid: int, t: TransferState, fd: int, outcome: Outcome[int]) -> None:
+        """The medium's check of the opened file (``check_opened``) came back."""
+        try:
+            t.size = outcome.get()
+        except OSError as exc:  # a planted FIFO, device or directory: refused before any read
+            self._backend.submit([IoRequest(OpKind.CLOSE, (Awaiting.CLOSE, None), fd=fd)])
+            self._opened(tid, t, -(exc.errno or errno.EIO))
+            return
+        self._opened(tid, t, fd)
+
+    def _opened(self, tid: int, t: TransferState, result: int) -> None:
         if result < 0:
             self._ctx.fail(t, os_failure(Step.OPEN, result))
             self._policy.opened(tid, ok=False)

@@ -1,6 +1,8 @@
 """The reactor's store steps: the source fills a slot, the verifier threads seal it (header with
 the payload's checksum in front of the payload; with a key ring, signed), the reactor writes it to the medium's
-temporary file and has the medium publish it.
+temporary file and has the medium publish it. The medium's blocking calls (``prepare_write``, ``publish``,
+``abandon``) run on the block's device threads (``ReactorContext.files``); the block's step goes on when
+each comes back.
 
 ``Stores`` runs on the reactor thread only; the ``Reactor`` (``pykv.reactor.core``) calls it for
 the policy's ``Fill`` and ``Write`` actions, ``Reactor.filled`` and the completions of its requests.
@@ -12,14 +14,16 @@ from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
+from pykv.media.base import WriteTarget
 from pykv.reactor.context import ReactorContext
+from pykv.reactor.fileops import Outcome
 from pykv.reactor.types import Awaiting, FillRequest, StoreBlock, StoreSource, TransferState
 
 
 class Stores:
     """Stores; see ``pykv.reactor.core`` for the whole picture.
 
-    Uses the context's backend, pool, medium, policy, verifier, transfers, ``hashing``, ``post``,
+    Uses the context's backend, pool, medium, policy, verifier, files, transfers, ``hashing``, ``post``,
     ``close`` and ``fail``; ``source`` fills the slots (None: every fill fails), and its optional
     ``staged(job, index)`` hook hears of each block whole in its slot."""
 
@@ -67,21 +71,26 @@ class Stores:
         if header is not None and self._staged is not None:
             self._staged(t.job.result.job, t.index)
 
-    def start_write(self, tid: int) -> IoRequest | None:
-        """The open of the block's temporary file (None when the medium refused the store)."""
+    def start_write(self, tid: int) -> None:
+        """The policy granted the write: the medium prepares it (directories, temporary name), then
+        the temporary file is opened (``_prepared``)."""
         t = self._transfers[tid]
         block = t.block
         assert isinstance(block, StoreBlock) and t.header is not None  # sealed in on_filled
         self._zero_padding(t)
+        self._ctx.files.run(t.lane, lambda: self._medium.prepare_write(block.path),
+                            lambda outcome: self._prepared(tid, t, outcome))
+
+    def _prepared(self, tid: int, t: TransferState, outcome: Outcome[WriteTarget]) -> None:
         try:
-            target = self._medium.prepare_write(block.path)
-        except OSError as exc:
+            target = outcome.get()
+        except OSError as exc:  # the medium refused the store
             self._ctx.fail(t, os_failure(Step.MKDIR, exc))
             self._policy.written(tid, ok=False)
-            return None
+            return
         t.temp, spec = target.temp, target.open
-        return IoRequest(OpKind.OPEN, (Awaiting.WRITE_OPEN, tid), path=spec.path, flags=spec.flags, mode=spec.mode,
-                         resolve=spec.resolve)
+        self._backend.submit([IoRequest(OpKind.OPEN, (Awaiting.WRITE_OPEN, tid), path=spec.path, flags=spec.flags,
+                                        mode=spec.mode, resolve=spec.resolve)])
 
     def _zero_padding(self, t: TransferState) -> None:
         start = HEADER_SIZE + t.header.payload_length
@@ -122,9 +131,14 @@ class Stores:
 
     def _publish(self, tid: int, t: TransferState) -> None:
         self._ctx.close(t)
-        assert t.temp is not None
+        temp = t.temp
+        assert temp is not None
+        self._ctx.files.run(t.lane, lambda: self._medium.publish(temp, t.block.path),
+                            lambda outcome: self._published(tid, t, outcome))
+
+    def _published(self, tid: int, t: TransferState, outcome: Outcome[bool]) -> None:
         try:
-            if self._medium.publish(t.temp, t.block.path):
+            if outcome.get():
                 t.job.result.published += 1
             t.job.result.bytes += t.expected
         except OSError as exc:
@@ -134,8 +148,12 @@ class Stores:
         self._policy.written(tid, ok=True)
 
     def _abandon_write(self, tid: int, t: TransferState, failure: BlockFailure) -> None:
+        """The write failed: its temporary file (if created) is removed before the block ends."""
         self._ctx.close(t)
-        if t.temp is not None:
-            self._medium.abandon(t.temp)
         self._ctx.fail(t, failure)
-        self._policy.written(tid, ok=False)
+        temp = t.temp
+        if temp is None:
+            self._policy.written(tid, ok=False)
+            return
+        self._ctx.files.run(t.lane, lambda: self._medium.abandon(temp),
+                            lambda outcome: self._policy.written(tid, ok=False))

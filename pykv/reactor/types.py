@@ -137,6 +137,7 @@ class TransferState:
     read_ok: bool = False  # the block was read and verified
     segments: list[int | None] | None = None  # split first read: each piece's result (None: in flight)
     size: int = -1  # the opened file's size (its fstat right after the open)
+    lane: int = 0  # the device that holds the block (``Medium.lane``): its file calls run on its threads
 
 
 @dataclass(frozen=True)
