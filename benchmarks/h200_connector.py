@@ -13,6 +13,7 @@ prompts, every result a JSON line.
     h200_connector.py stage A|B|C|D|all|A,B,...   run stages (see `plan`)
     h200_connector.py plan [--stages all]          print what each stage does
     h200_connector.py report FILE...               tables, target ratios, markdown
+    h200_connector.py sources FILE...              pykv hits per source that ran (before/after)
     h200_connector.py engine CONFIG.json           (internal) one engine process
     h200_connector.py bw ...                       (internal) O_DIRECT / H2D probes
     h200_connector.py mbw ...                      (internal) O_DIRECT of several devices at once

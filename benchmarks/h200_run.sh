@@ -19,7 +19,9 @@
 # Host paths (environment; defaults in brackets): PYKV_H200_WORK [/tmp/pykv-h200],
 # PYKV_H200_SITE, where vLLM is installed [/tmp/site], PYKV_H200_PARTS, where the
 # device commands put the carried parts [/tmp/pykv-device], PYKV_SRC, the pykv
-# sources to run [the working tree]. The stage's own paths are options of
+# sources to run [the working tree]. Every JSON line carries `source` (PYKV_H200_SOURCE
+# [PYKV_SRC's folder name, or worktree]), `source_digest` (of the .py files run), `source_commit`
+# (a snapshot's COMMIT file, h200_snapshot.sh) and `source_run` (PYKV_H200_RUN_ID [STAGE-starttime]). The stage's own paths are options of
 # `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
@@ -35,7 +37,9 @@ TAG=$(printf '%s' "$STAGE" | tr -cd 'A-Za-z0-9')
 mkdir -p "$WORK" "$OUTDIR"
 say() { echo "[h200_run $(date +%H:%M:%S)] $*"; }
 
-if [ ! -f "$REPO/benchmarks/h200_connector.py" ] || [ ! -d "$REPO/connector" ]; then
+# the repository root: the benchmark beside pykv's connector (pykv/connector/ since the one-package
+# layout; a checkout from before it has a top-level connector/)
+if [ ! -f "$REPO/benchmarks/h200_connector.py" ] || { [ ! -d "$REPO/pykv/connector" ] && [ ! -d "$REPO/connector" ]; }; then
     echo "h200_run.sh: run me from the pykv repository root" >&2; exit 2
 fi
 
@@ -71,13 +75,22 @@ cp -r "$SRC/pykv" "$SHIM/pykv"
 [ -d "$SRC/jobs" ] && rm -rf "$SHIM/pykv/jobs" && cp -r "$SRC/jobs" "$SHIM/pykv/jobs"
 [ -d "$SRC/commands" ] && rm -rf "$SHIM/pykv/commands" && cp -r "$SRC/commands" "$SHIM/pykv/commands"
 find "$SHIM" -name __pycache__ -type d -prune -exec rm -rf {} +
+[ -d "$SHIM/pykv/connector" ] || { echo "h200_run.sh: $SRC has neither pykv/connector/ nor connector/" >&2; exit 2; }
 export PYTHONPATH=$SHIM:$WORK/deps:$SITE
+# which sources ran, in every JSON line (h200bench.util.emit): a label (PYKV_H200_SOURCE, default the
+# snapshot's folder name or "worktree"), a digest of the laid-out .py files, and this command's run id
+export PYKV_H200_SOURCE=${PYKV_H200_SOURCE:-$( [ -n "${PYKV_SRC:-}" ] && basename "$SRC" || echo worktree)}
+PYKV_H200_SOURCE_DIGEST=$(cd "$SHIM" && find pykv -name '*.py' -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-12)
+export PYKV_H200_SOURCE_DIGEST PYKV_H200_RUN_ID=${PYKV_H200_RUN_ID:-$TAG-$T0}
+export PYKV_H200_SOURCE_COMMIT=$(cat "$SRC/COMMIT" 2>/dev/null)  # a snapshot's (h200_snapshot.sh)
+say "sources: $PYKV_H200_SOURCE ($SRC${PYKV_H200_SOURCE_COMMIT:+ at $PYKV_H200_SOURCE_COMMIT}, digest $PYKV_H200_SOURCE_DIGEST), run $PYKV_H200_RUN_ID"
 
 # 3. pykv's own needs the image may lack, from the wheels carried in .device/extra (one wheel per
 #    missing module, --no-deps: what the image has is never shadowed): xxhash (the connector), blake3
-#    (auth_key_file), sqlite-utils and its pure-Python deps (`pykv bench`, `pykv config`: the commands)
+#    (auth_key_file), sqlite-utils and its pure-Python deps (`pykv bench`, `pykv config`: the commands;
+#    the connector imports it too, through pykv.maintenance), zstandard (codec planes-zstd)
 EXTRA_MODULES="xxhash:xxhash blake3:blake3 sqlite_utils:sqlite_utils sqlite_fts4:sqlite_fts4 tabulate:tabulate
-click_default_group:click_default_group dateutil:python_dateutil pluggy:pluggy click:click"
+click_default_group:click_default_group dateutil:python_dateutil pluggy:pluggy click:click zstandard:zstandard"
 for pair in $EXTRA_MODULES; do
     module=${pair%%:*} wheel=${pair#*:}
     python3 -c "import $module" 2>/dev/null && continue

@@ -11,6 +11,7 @@ from h200bench.compare import main as compare_main
 from h200bench.engine import engine_main
 from h200bench.probes import bw_main
 from h200bench.report import report_main
+from h200bench.source_report import sources_main
 from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, SHM_DIR, STAGES,
                                 STRIPE_STAGES, TP_STAGES, WORK_DIR)
@@ -129,6 +130,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     p = sub.add_parser("report", help="tables and target ratios from result files")
     p.add_argument("files", nargs="+")
     p.add_argument("--md", help="write the markdown tables here (default: beside the first file)")
+    p = sub.add_parser("sources", help="pykv disk-hit and DRAM-hit TTFT per source that ran (before/after), "
+                                       "with the ratios to the baseline")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--baseline", help="the source the others are divided by (default: before, else the first)")
+    p.add_argument("--md", help="also write the table as markdown here")
     p = sub.add_parser("compare", help="two calibration files: hit and recompute medians within a tolerance")
     p.add_argument("reference")
     p.add_argument("candidate")
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if a.md is None:
             a.md = str(Path(a.files[0]).with_suffix(".md"))
         return report_main(a)
+    if a.cmd == "sources":
+        return sources_main(a.files, a.baseline, a.md)
     if a.cmd == "compare":
         return compare_main([a.reference, a.candidate, "--tolerance", str(a.tolerance)])
     if a.cmd == "engine":

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import auth_stage, decode_report, striping_report, tp_report, verify_stage
+from h200bench import auth_stage, decode_report, source_report, striping_report, tp_report, verify_stage
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -151,7 +151,7 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         text.append("")
     sections = (("striping", striping_report.build(records)), ("itl", decode_report.build(records)),
                 ("auth", auth_stage.build(records)), ("tp", tp_report.build(records)),
-                ("verify", verify_stage.build(records)))
+                ("verify", verify_stage.build(records)), ("sources", source_report.build(records)))
     for key, section in sections:
         if section:
             text.extend(section.text)

@@ -18,9 +18,17 @@ def now() -> float:
     return time.time()
 
 
+SOURCE_ENV = {"source": "PYKV_H200_SOURCE", "source_digest": "PYKV_H200_SOURCE_DIGEST",
+              "source_commit": "PYKV_H200_SOURCE_COMMIT", "source_run": "PYKV_H200_RUN_ID"}
+"""Fields every record carries when ``h200_run.sh`` set their variables: which pykv sources ran
+(its label, a digest of the .py files, a snapshot's commit) and in which command (``source_report``
+compares sources)."""
+
+
 def emit(path: Path | str, record: dict, *, echo: bool = True) -> dict:
-    """Append one JSON line (with a unique id and a timestamp) to ``path``."""
-    record = {"rid": uuid.uuid4().hex[:12], "ts": round(now(), 3), **record}
+    """Append one JSON line (with a unique id, a timestamp and the ``SOURCE_ENV`` fields) to ``path``."""
+    tags = {field: os.environ[var] for field, var in SOURCE_ENV.items() if os.environ.get(var)}
+    record = {"rid": uuid.uuid4().hex[:12], "ts": round(now(), 3), **tags, **record}
     line = json.dumps(record, sort_keys=False)
     with open(path, "a") as f:
         f.write(line + "\n")
