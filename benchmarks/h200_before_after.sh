@@ -50,8 +50,13 @@ for label in "${LABELS[@]}"; do  # refuse a missing snapshot before any run
 done
 
 n=${#LABELS[@]} rc_all=0
+declare -A BROKEN=()  # labels whose setup or import check failed (h200_run.sh rc 2-4): not run again
 for i in "${!LABELS[@]}"; do
     label=${LABELS[$i]}
+    if [ -n "${BROKEN[$label]:-}" ]; then
+        say "run $((i + 1))/$n ($label): skipped, its sources failed to set up or import before"
+        continue
+    fi
     left=$(( T0 + BUDGET - $(date +%s) ))
     later=$(( n - i - 1 ))
     if [ "$left" -lt "$RUN_S" ]; then
@@ -68,6 +73,7 @@ for i in "${!LABELS[@]}"; do
         bash benchmarks/h200_run.sh C --no-verify-full "$@" ${!opts_var:-}
     rc=$?
     [ "$rc" -ne 0 ] && rc_all=$rc && say "run $((i + 1)) ($label): rc $rc"
+    case "$rc" in 2|3|4) BROKEN[$label]=1 ;; esac
     tar czf "$OUTDIR/logs-$run_id.tar.gz" -C "$WORK" logs cfg 2>/dev/null || true
 done
 

@@ -98,3 +98,15 @@ def test_before_after_refuses_a_snapshot_it_was_not_given_before_any_run(tmp_pat
     done = subprocess.run(["bash", str(BENCHMARKS / "h200_before_after.sh"), "before;rm"], cwd=BENCHMARKS.parent,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "bad label" in done.stderr
+
+
+def test_before_after_runs_a_label_whose_setup_failed_no_more(tmp_path):
+    (tmp_path / "snap" / "pykv" / "connector").mkdir(parents=True)
+    env = {**os.environ, "PYKV_BA_SRC_before": str(tmp_path / "snap"), "PYKV_H200_WORK": str(tmp_path / "w"),
+           "OUT": str(tmp_path / "out"), "PYKV_H200_SITE": str(tmp_path / "no-site"),
+           "PYKV_H200_PARTS": str(tmp_path / "no-parts")}
+    done = subprocess.run(["bash", str(BENCHMARKS / "h200_before_after.sh"), "before,before"], cwd=BENCHMARKS.parent,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "vllm missing and no parts" in done.stderr  # h200_run.sh cannot install vLLM
+    assert "run 1 (before): rc 3" in done.stdout
+    assert "run 2/2 (before): skipped, its sources failed" in done.stdout
