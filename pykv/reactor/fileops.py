@@ -14,8 +14,8 @@ on the lane's thread. A stalled device holds its own lane only; the job-level ``
 
 from __future__ import annotations
 
-import collections
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -61,23 +61,29 @@ class _Call:
 
 
 class _Lane:
-    """One device's queue and threads (started on first use)."""
+    """One device's queue and threads (started on first use); ``None`` in the queue stops a thread."""
 
     def __init__(self, index: int, threads: int) -> None:
         self.index, self.threads = index, threads
-        self.queue: collections.deque[_Call] = collections.deque()
-        self.cond = threading.Condition()
+        self.queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()  # orders ``put`` against ``close``: no call is queued behind a stop
         self.workers: list[threading.Thread] = []
         self.closing = False
 
     def put(self, call: _Call) -> bool:
         """Queue ``call``; False when the lane is closed or no thread of it could be started."""
-        with self.cond:
+        with self.lock:
             if self.closing or (not self.workers and not self._start_threads()):
                 return False
-            self.queue.append(call)
-            self.cond.notify()
+            self.queue.put(call)
             return True
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closing:
+                self.closing = True
+                for _ in self.workers:
+                    self.queue.put(None)
 
     def _start_threads(self) -> bool:
         for number in range(self.threads):
@@ -91,13 +97,7 @@ class _Lane:
         return bool(self.workers)
 
     def _work(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and not self.closing:
-                    self.cond.wait()
-                if not self.queue:
-                    return
-                call = self.queue.popleft()
+        while (call := self.queue.get()) is not None:
             call.make()
 
 
@@ -155,9 +155,7 @@ class FileCalls:
         """Take no more calls (later ones run on their caller's thread), let the threads finish the
         queued ones within ``timeout``; False when a call still runs (left to its daemon thread)."""
         for lane in self._lanes:
-            with lane.cond:
-                lane.closing = True
-                lane.cond.notify_all()
+            lane.close()
         deadline = None if timeout is None else time.monotonic() + timeout
         for lane in self._lanes:
             for thread in lane.workers:
