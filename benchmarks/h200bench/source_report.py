@@ -13,8 +13,6 @@ when the records hold two sources or more; ``h200_connector.py sources FILE...``
 
 from __future__ import annotations
 
-import statistics
-
 from h200bench.striping_report import Section
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -22,15 +20,6 @@ from h200bench.util import expected_chunks
 PHASES = (("query", "disk hit"), ("dram", "DRAM hit"))
 FLOOR = 0.05
 """The smallest relative difference called beyond noise, whatever the runs' spread."""
-
-
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "—" if v is None else f"{v:{spec}}"
 
 
 def hit_records(records: list[dict]) -> list[dict]:
@@ -80,6 +69,8 @@ def build(records: list[dict], baseline: str | None = None, *, always: bool = Fa
 def medium_table(s: Section, hits: list[dict], sources: list[str], runs: list[str], run_source: dict,
                  medium: str) -> dict:
     """One row per length and hit kind: each source's runs and median, each ratio to the baseline."""
+    from h200bench.report import fmt, median  # the report's helpers (it imports this module)
+
     base, others = sources[0], sources[1:]
     head = ["length", "hit"]
     for src in sources:
@@ -88,19 +79,19 @@ def medium_table(s: Section, hits: list[dict], sources: list[str], runs: list[st
     rows, summary = [], {}
     for length in sorted({r["length"] for r in hits}):
         for phase, name in PHASES:
-            per_run = {run: _median([r["ttft"] for r in hits if r["source_run"] == run and r["length"] == length
+            per_run = {run: median([r["ttft"] for r in hits if r["source_run"] == run and r["length"] == length
                                      and r["phase"] == phase]) for run in runs}
             values = {src: [v for run, v in per_run.items() if run_source[run] == src and v is not None]
                       for src in sources}
-            medians = {src: _median(v) for src, v in values.items()}
+            medians = {src: median(v) for src, v in values.items()}
             spreads = [max(v) / min(v) - 1 for v in values.values() if len(v) > 1 and min(v) > 0]
             noise = max(spreads) if spreads else None
             ratios = {o: medians[o] / medians[base] if medians[o] and medians[base] else None for o in others}
             row = [f"{length:,}", name]
             for src in sources:
-                row += [" / ".join(f"{v:.3f}" for v in values[src]) or "—", _fmt(medians[src])]
-            row += [_fmt(ratios[o], ".3f") for o in others]
-            row += [_fmt(noise, ".1%") if noise is not None else "one run", " ; ".join(
+                row += [" / ".join(f"{v:.3f}" for v in values[src]) or "—", fmt(medians[src])]
+            row += [fmt(ratios[o], ".3f") for o in others]
+            row += [fmt(noise, ".1%") if noise is not None else "one run", " ; ".join(
                 verdict(ratios[o], noise) for o in others)]
             rows.append(row)
             summary.setdefault(length, {})[phase] = {"runs": values, "median": medians, "ratio": ratios,
@@ -112,6 +103,8 @@ def medium_table(s: Section, hits: list[dict], sources: list[str], runs: list[st
 
 def runs_table(s: Section, records: list[dict], hits: list[dict], runs: list[str], run_source: dict) -> None:
     """Each run in order: its source and digest, the medium's O_DIRECT reads, pykv's disk-hit load rate."""
+    from h200bench.report import fmt, median
+
     rows = []
     for run in runs:
         mine = [r for r in records if r.get("source_run") == run]
@@ -119,9 +112,9 @@ def runs_table(s: Section, records: list[dict], hits: list[dict], runs: list[str
                    and r.get("gb_per_s")]
         disk = [r for r in hits if r["source_run"] == run and r["phase"] == "query"]
         longest = max((r["length"] for r in disk), default=None)
-        load = _median([load_gb_per_s(r) for r in disk if r["length"] == longest])
+        load = median([load_gb_per_s(r) for r in disk if r["length"] == longest])
         digests = sorted({r.get("source_digest") or "—" for r in mine})
-        rows.append([run, run_source[run], ",".join(digests), _fmt(max(odirect) if odirect else None, ".2f"),
+        rows.append([run, run_source[run], ",".join(digests), fmt(max(odirect) if odirect else None, ".2f"),
                      f"{load:.2f} at {longest:,}" if load is not None and longest else "—"])
     s.table("runs in order", ["run", "source", "digest", "O_DIRECT GB/s", "disk-hit load GB/s"], rows)
 
