@@ -12,9 +12,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from h200bench import source_report  # noqa: E402
-from h200bench.report import build_report, load_records  # noqa: E402
-from h200bench.util import emit  # noqa: E402
+from h200bench import source_report
+from h200bench.report import build_report, load_records
+from h200bench.util import emit
 
 TTFT = {8192: (0.27, 0.08), 81920: (2.3, 0.5)}  # (disk hit, DRAM hit) seconds of the baseline
 
@@ -93,10 +93,10 @@ def test_before_after_refuses_a_snapshot_it_was_not_given_before_any_run(tmp_pat
     env = {**os.environ, "PYKV_BA_SRC_before": str(tmp_path / "missing"), "PYKV_H200_WORK": str(tmp_path / "w"),
            "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", str(BENCHMARKS / "h200_before_after.sh"), "before,after"], cwd=BENCHMARKS.parent,
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "no " + str(tmp_path / "missing") + "/pykv" in done.stderr
     done = subprocess.run(["bash", str(BENCHMARKS / "h200_before_after.sh"), "before;rm"], cwd=BENCHMARKS.parent,
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "bad label" in done.stderr
 
 
@@ -106,7 +106,7 @@ def test_before_after_runs_a_label_whose_setup_failed_no_more(tmp_path):
            "OUT": str(tmp_path / "out"), "PYKV_H200_SITE": str(tmp_path / "no-site"),
            "PYKV_H200_PARTS": str(tmp_path / "no-parts")}
     done = subprocess.run(["bash", str(BENCHMARKS / "h200_before_after.sh"), "before,before"], cwd=BENCHMARKS.parent,
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 3 and "vllm missing and no parts" in done.stderr  # h200_run.sh cannot install vLLM
     assert "run 1 (before): rc 3" in done.stdout
     assert "run 2/2 (before): skipped, its sources failed" in done.stdout

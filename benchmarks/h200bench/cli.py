@@ -9,12 +9,12 @@ from pathlib import Path
 
 from h200bench.compare import main as compare_main
 from h200bench.engine import engine_main
+from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.probes import bw_main
 from h200bench.report import report_main
-from h200bench.source_report import sources_main
-from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, SHM_DIR, STAGES,
                                 STRIPE_STAGES, TP_STAGES, WORK_DIR)
+from h200bench.source_report import sources_main
 from h200bench.stages import StageRunner
 from h200bench.util import tree_bytes
 

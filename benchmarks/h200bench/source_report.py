@@ -13,8 +13,8 @@ when the records hold two sources or more; ``h200_connector.py sources FILE...``
 
 from __future__ import annotations
 
-from h200bench.striping_report import Section
 from h200bench.stats import load_gb_per_s
+from h200bench.striping_report import Section
 from h200bench.util import expected_chunks
 
 PHASES = (("query", "disk hit"), ("dram", "DRAM hit"))
