@@ -39,6 +39,7 @@ from pykv.jobledger import JobEnd, JobLedger, Part
 from pykv.policy import Kind
 from pykv.deviceset import DeviceSet
 from pykv.media.build import devices_take_direct, io_engine_for, open_store_medium
+from pykv.reactor.fileops import Outcome
 from pykv.reactor import FillRequest, JobResult, LoadBlock, Reactor, ReactorConfig, ReadyBlock, StoreBlock, \
     backend_depth, slot_header
 from pykv.residency import StorePause
@@ -360,8 +361,12 @@ class BlockStore:
         if end is not None:
             self._carry_out(end)
 
-    def _carry_out(self, end: JobEnd) -> None:
-        """What the ledger decided at a job's end: quarantine, pause, tell the client."""
+    def _carry_out(self, end: JobEnd, *, on_lane: bool = False) -> None:
+        """What the ledger decided at a job's end: quarantine, pause, tell the client. A quarantine blocks
+        on a stalled mount: then all of it runs on a thread of the device (``Reactor.call_on_lane``)."""
+        if end.quarantine and not on_lane:  # done=Outcome.get: an error raised there is logged
+            lane = self.medium.first_lane(self.namespace.id, end.keys[end.quarantine[0]])
+            return self.reactor.call_on_lane(lane, lambda: self._carry_out(end, on_lane=True), Outcome.get)
         for index in end.quarantine:
             self._quarantine(end.keys[index], end.failures[index])
         if end.pause is not None:
@@ -381,7 +386,8 @@ class BlockStore:
             log.warning("pykv: %s: %s; left in place, quarantine failed (%s); `pykv fsck` reports it", path,
                         failure, exc.strerror or exc)
             return
-        self.counters[C.QUARANTINED] += 1
+        with self._lock:
+            self.counters[C.QUARANTINED] += 1
 
     def _pause_stores(self, failure: BlockFailure) -> None:
         if self.pause.begin(self._clock()):
