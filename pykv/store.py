@@ -136,7 +136,8 @@ class BlockStore:
             self.stalls.watch(part.id, Kind.STORE, len(blocks), self._clock())
         locations = self.medium.place(self.namespace.id, [b.key for b in blocks])
         self.reactor.write(part.id, [
-            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, slot=s, target=b.target)
+            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, slot=s, target=b.target,
+                       codec=self.engine.codec)
             for path, b, s in zip(locations, blocks, slots)])
         return True
 
@@ -228,7 +229,8 @@ class BlockStore:
             sizes[index] = header.file_size
             with self._lock:
                 job, job_index = self.ledger.locate(part.id, index)
-            copies.append(SlotCopy(job, job_index, block.slot, header.payload_length, block.target, token=index))
+            copies.append(SlotCopy(job, job_index, block.slot, header.payload_length, block.target, token=index,
+                                   codec=header.codec, decoded_length=header.raw_length))
         copy_failed: set[int] = set()
         remaining = [len(copies)]
 
@@ -268,7 +270,7 @@ class BlockStore:
             self.client.to_slots([SlotCopy(job, index, r.slot, r.length, r.target, token=r)
                                   for (job, index), r in zip(located, granted)], self._filled)
 
-    def _filled(self, copy: SlotCopy, ok: bool) -> None:
+    def _filled(self, copy: SlotCopy, ok: bool, stored: int | None = None) -> None:
         request: FillRequest = copy.token
         with self._lock:
             if self.ledger.filled(request.job, request.index, ok, request.length):
@@ -276,7 +278,7 @@ class BlockStore:
             settled = self.stalls.copy_ended(request.job, request.index, ok, self._clock())
         if settled:
             self._release_given_up(request.job)
-        self.reactor.filled(request.transfer, ok)
+        self.reactor.filled(request.transfer, ok, stored)
 
     def staged(self, part: object, index: int) -> None:
         """Block ``index`` of a store is whole in its slot, header included."""
@@ -296,7 +298,8 @@ class BlockStore:
             if not ok:  # a load given up: its engine blocks are being recomputed
                 self.reactor.consumed(b.transfer)
         if live:
-            self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, b.target, token=b)
+            self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, b.target, token=b,
+                                             codec=b.header.codec, decoded_length=b.header.raw_length)
                                     for (job, index), b in zip(located, live)], self._delivered)
 
     def _delivered(self, copy: SlotCopy, ok: bool) -> None:

@@ -21,6 +21,7 @@ class EngineShape:
     dram_slots: int = 0  # DRAM-tier slots (0: no tier)
     rank: int = 0
     early_release: bool = False  # a store through DRAM slots ends once sealed in them (the writes go on)
+    codec: str = "none"  # the ``params`` of the codec the client encodes stores with (``pykv.codec``)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class BlockRef:
 @dataclass(frozen=True)
 class SlotCopy:
     """Copy ``length`` payload bytes of block ``index`` of ``job`` between ``slot`` and the block's
-    ``target`` (its ``BlockRef.target``)."""
+    ``target`` (its ``BlockRef.target``). A load of a coded block: the slot holds ``length`` stored
+    bytes of codec ``codec`` (its ``params``) that decode to ``decoded_length`` bytes."""
 
     job: object
     index: int
@@ -48,17 +50,23 @@ class SlotCopy:
     length: int
     target: object = None
     token: object = None  # the store's handle: hand the copy back unchanged
+    codec: str = "none"
+    decoded_length: int | None = None
 
 
-CopyDone = Callable[[SlotCopy, bool], None]
+CopyDone = Callable[..., None]
+"""``done(copy, ok)``; a store's may add ``stored``: the length of the stored bytes the client left
+at the start of the slot's payload, encoded with ``EngineShape.codec`` (None or absent: raw)."""
 
 
 class StoreClient(Protocol):
     def to_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
-        """Store: put each block's payload into its slot; ``done(copy, ok)`` once per copy, any thread."""
+        """Store: put each block's payload into its slot, raw or encoded; ``done(copy, ok[, stored])``
+        once per copy, any thread."""
 
     def from_slots(self, copies: Sequence[SlotCopy], done: CopyDone) -> None:
-        """Load: copy each slot's payload out (one batch); ``done(copy, ok)`` once per copy, any thread."""
+        """Load: copy each slot's payload out (one batch), decoding coded ones; ``done(copy, ok)`` once
+        per copy, any thread (``ok`` False for a block it cannot decode: a miss)."""
 
     def job_ended(self, end: JobEnd) -> None:
         """A job ended (any thread); ``end.released``: the client already had it (``store_released``)."""

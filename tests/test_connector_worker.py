@@ -340,14 +340,14 @@ def test_wait_releases_a_store_once_its_blocks_are_copied_out_not_when_written(r
     manager, worker, kv = rig()
     ks = keys(2, salt=7)
     held, filled = [], worker.reactor.filled
-    worker.reactor.filled = lambda transfer, ok=True: held.append((transfer, ok))  # writes start only when let go
+    worker.reactor.filled = lambda transfer, ok=True, stored=None: held.append((transfer, ok, stored))  # writes wait
     worker.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), manager.prepare_store(ks, ReqContext("r")).store_spec)
     waiter = _waiter(worker, {1})
     waiter.join(timeout=10)
     assert not waiter.is_alive(), "wait() blocked on a store whose blocks were already in host slots"
     assert len(held) == 2 and worker.get_finished() == []  # copied out, nothing written yet
-    for transfer, ok in held:
-        filled(transfer, ok)
+    for transfer, ok, stored in held:
+        filled(transfer, ok, stored)
     failed, report = run(worker, 1)
     assert not failed and not report and worker.counters["store_published"] == 2
 

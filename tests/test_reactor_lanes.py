@@ -271,9 +271,9 @@ def test_a_stores_checksum_is_computed_on_a_verifier_thread_not_the_reactors(tmp
     sealed_on = []
     real = reactor_verify.seal_header
 
-    def recording(block, head, payload, keys):
+    def recording(block, head, payload, keys, codec):
         sealed_on.append(threading.current_thread().name)
-        return real(block, head, payload, keys)
+        return real(block, head, payload, keys, codec)
     monkeypatch.setattr(reactor_verify, "seal_header", recording)
     reactor = make_reactor(tree, open_backend("auto", depth=64), PosixMedium(tree), Client(), verify="header",
                            verify_threads=2)

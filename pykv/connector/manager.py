@@ -52,6 +52,7 @@ from pykv.connector.compat import (
     RequestOffloadingContext,
 )
 from pykv.config import PykvConfig
+from pykv.connector.codecs import engine_codec
 from pykv.connector.layout import namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -75,7 +76,9 @@ class PykvManager(OffloadingManager):
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
         # each rank's KV shard lives in its own namespace; rank 0's names the engine (gate, logs)
-        self.rank_namespaces = tuple(namespace_for(config, rank=r) for r in range(max(config.parallel.world_size, 1)))
+        codec = engine_codec(pykv).params  # the workers' (a codec is a namespace of its own)
+        self.rank_namespaces = tuple(namespace_for(config, rank=r, codec=codec)
+                                     for r in range(max(config.parallel.world_size, 1)))
         self.namespace = self.rank_namespaces[0]
         self.devices = open_devices(pykv)
         # existence checks and access stamps, on each device's threads, answered within lookup_deadline

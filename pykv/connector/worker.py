@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pykv.codec.stage import CodecStage
 from pykv.counters import CounterFile, WorkerCounter
+from pykv.format_codec import NONE
 from pykv.format import HEADER_SIZE
 from pykv.jobledger import JobEnd, Kind, Release
 from pykv.store import BlockRef, BlockStore, CopyDone, EngineShape, SlotCopy
@@ -40,6 +42,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
+from pykv.connector.codecs import codec_threads, engine_codec
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -84,18 +87,23 @@ class PykvWorker(OffloadingWorker):
         self._stats_lock = threading.Lock()
         self._stats_in_flight, self._stats_due = -1, 0.0  # jobs at the last counter write, and the next one's time
         self.early_release = True  # whatever the world size: the scheduler counts every rank's write ends
-        shape = EngineShape(namespace_for(config, rank=self.rank), slot_bytes(config), transient, dram, self.rank,
-                            self.early_release)
-        self.store = BlockStore(pykv, shape, self, register=cuda_host_register if cuda else None,
-                                unregister=cuda_host_unregister if cuda else None)
+        codec = engine_codec(pykv)
+        shape = EngineShape(namespace_for(config, rank=self.rank, codec=codec.params), slot_bytes(config), transient,
+                            dram, self.rank, self.early_release, codec=codec.params)
+        register, unregister = (cuda_host_register, cuda_host_unregister) if cuda else (None, None)
+        self.store = BlockStore(pykv, shape, self, register=register, unregister=unregister)
+        self.codec_stage = None if codec.name == NONE else CodecStage(
+            codec, shape.slot_bytes, threads=codec_threads(), register=register, unregister=unregister)
         self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
         self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]
+        self._scratch_tensors = [] if self.codec_stage is None else [
+            torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
-        log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies",
+        log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
-                 type(self.copier).__name__)
+                 type(self.copier).__name__, codec.params)
 
     @property
     def dram_base(self) -> int:
@@ -200,6 +208,9 @@ class PykvWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self.store.stop_io()
         self.copier.close()
+        if self.codec_stage is not None:
+            self._scratch_tensors.clear()
+            self.codec_stage.close()
         self._slot_tensors.clear()
         self.store.close()
         self._write_stats()
@@ -268,10 +279,50 @@ class PykvWorker(OffloadingWorker):
                          c.target.gpu_ids, c.target.skip, token=c, after=c.target.ready) for c in copies]
 
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
+        """The KV into the slots, then (with a codec) each payload encoded in its slot."""
+        stage = self.codec_stage
+        if stage is None:
+            self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
+            return
+
+        def copied(task: CopyTask, ok: bool) -> None:
+            copy: SlotCopy = task.token
+            if not ok:
+                done(copy, False)
+                return
+            payload = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
+            stage.encode(payload, lambda stored: done(copy, True, stored))
+
+        self.copier.to_slots(self._tasks(copies), copied)
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        self.copier.from_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
+        """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own."""
+        raw = [c for c in copies if c.codec == NONE]
+        if raw:
+            self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
+        for copy in (c for c in copies if c.codec != NONE):
+            if self.codec_stage is None:  # a coded block in a namespace of codec none: not one of ours
+                done(copy, False)
+                continue
+            stored = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
+            self.codec_stage.decode(stored, copy.decoded_length or 0, copy.codec,
+                                    lambda buffer, copy=copy: self._copy_decoded(copy, buffer, done))
+
+    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, done: CopyDone) -> None:
+        """(Codec thread.) A decoded block from its scratch buffer to the engine, then the buffer is free."""
+        if buffer is None:
+            done(copy, False)
+            return
+        stage = self.codec_stage
+        target = copy.target
+        task = CopyTask(self._scratch_tensors[buffer][:copy.decoded_length], target.group, target.gpu_ids,
+                        target.skip, token=copy, after=target.ready)
+
+        def copied(_task: CopyTask, ok: bool) -> None:
+            stage.release(buffer)
+            done(copy, ok)
+
+        self.copier.from_slots([task], copied)
 
     def store_released(self, release: Release) -> None:
         """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release); or one

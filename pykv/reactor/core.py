@@ -132,9 +132,10 @@ class Reactor:
         """The consumer is done with a delivered slot."""
         self._post(lambda: self.policy.consumed(transfer))
 
-    def filled(self, transfer: int, ok: bool = True) -> None:
-        """The source finished (or failed) filling a store's slot."""
-        self._post(lambda: self._stores.on_filled(transfer, ok))
+    def filled(self, transfer: int, ok: bool = True, stored: int | None = None) -> None:
+        """The source finished (or failed) filling a store's slot; ``stored``: it left that many bytes
+        encoded with the block's ``codec`` at the start of the payload (None: the raw payload)."""
+        self._post(lambda: self._stores.on_filled(transfer, ok, stored))
 
     def take_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call (none are kept with ``on_job_done``)."""

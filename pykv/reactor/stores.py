@@ -10,14 +10,19 @@ the policy's ``Fill`` and ``Write`` actions, ``Reactor.filled`` and the completi
 
 from __future__ import annotations
 
+import logging
+
 from pykv.failures import BlockFailure, Step, os_failure
 from pykv.format import HEADER_SIZE, BlockHeader
+from pykv.format_codec import NONE
 from pykv.io.backend import IoRequest, OpKind
 from pykv.policy import Fill
 from pykv.media.base import WriteTarget
 from pykv.reactor.context import ReactorContext
 from pykv.reactor.fileops import Outcome
 from pykv.reactor.types import Awaiting, FillRequest, StoreBlock, StoreSource, TransferState
+
+log = logging.getLogger(__package__)
 
 
 class Stores:
@@ -45,16 +50,23 @@ class Stores:
         else:
             self._source.fill([request])
 
-    def on_filled(self, tid: int, ok: bool) -> None:
+    def on_filled(self, tid: int, ok: bool, stored: int | None = None) -> None:
         t = self._transfers[tid]
+        raw = t.block.geometry.payload_length
+        if ok and stored is not None and (t.block.codec == NONE or not 0 < stored < raw):
+            ok = False  # a source's bug: never write what no header can describe
+            log.error("%s: the source stored %s bytes of codec %s for a %d-byte payload", t.block.path, stored,
+                      t.block.codec, raw)
         if not ok:
             self._ctx.fail(t, BlockFailure(Step.FILL, detail="the source could not fill the slot"))
             self._sealed(tid, t, None)
             return
         head = self._pool.view(t.slot)[:HEADER_SIZE]
-        payload = self._pool.payload_view(t.slot, t.block.geometry.payload_length)
+        payload = self._pool.payload_view(t.slot, raw if stored is None else stored)
+        codec = NONE if stored is None else t.block.codec
         self._ctx.hashing += 1  # checksum (and MAC): on the verifier threads, beside the I/O of other blocks
-        self._verifier.seal(t.block, head, payload, lambda header: self._ctx.post(lambda: self._on_signed(tid, header)))
+        self._verifier.seal(t.block, head, payload, lambda header: self._ctx.post(lambda: self._on_signed(tid, header)),
+                            codec=codec)
 
     def _on_signed(self, tid: int, header: BlockHeader | None) -> None:
         self._ctx.hashing -= 1

@@ -53,6 +53,7 @@ class StoreBlock:
     geometry: Geometry
     slot: int | None = None  # a slot the caller owns (DRAM tier) to fill and write from
     target: object = None  # the caller's: handed back in the block's ``FillRequest``
+    codec: str = "none"  # the ``params`` of the codec the source may encode the payload with (``filled``)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pykv.auth import AuthError, KeyRing, authenticate, sign
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step
 from pykv.format import BlockHeader, build_header, encode_header, verify_payload
+from pykv.format_codec import NONE
 from pykv.reactor.types import StoreBlock
 
 log = logging.getLogger(__name__)
@@ -49,20 +50,23 @@ class PayloadVerifier:
         self._pool.submit(_check, self.keys, header, head, payload, path, done)
 
     def seal(self, block: StoreBlock, head: memoryview, payload: memoryview,
-             done: Callable[[BlockHeader | None], None]) -> None:
+             done: Callable[[BlockHeader | None], None], *, codec: str = NONE) -> None:
         """Build and encode the header of a filled store ``block`` into ``head`` (signed with a key
-        ring); ``done(header)``, or ``done(None)`` if that raised (a bug: the store fails, nothing hangs)."""
-        self._pool.submit(_seal, self.keys, block, head, payload, done)
+        ring; ``payload``: the stored bytes, encoded by ``codec``); ``done(header)``, or ``done(None)``
+        if that raised (a bug: the store fails, nothing hangs)."""
+        self._pool.submit(_seal, self.keys, block, head, payload, codec, done)
 
     def close(self) -> None:
         """Wait for the checks under way and stop the threads."""
         self._pool.shutdown(wait=True)
 
 
-def seal_header(block: StoreBlock, head: memoryview, payload: memoryview, keys: KeyRing | None) -> BlockHeader:
-    """Put the header of a filled store block into ``head`` (signed when ``keys``); return it."""
+def seal_header(block: StoreBlock, head: memoryview, payload: memoryview, keys: KeyRing | None,
+                codec: str = NONE) -> BlockHeader:
+    """Put the header of a filled store block into ``head`` (signed when ``keys``; ``payload`` stored
+    by ``codec``); return it."""
     header = build_header(block.namespace, block.key, block.geometry, payload,
-                          key_id=keys.write_id if keys is not None else b"")
+                          key_id=keys.write_id if keys is not None else b"", codec=codec)
     encode_header(header, head)
     if keys is None:
         return header
@@ -87,11 +91,11 @@ def _check(keys: KeyRing | None, header: BlockHeader, head: memoryview, payload:
     done(failure)
 
 
-def _seal(keys: KeyRing | None, block: StoreBlock, head: memoryview, payload: memoryview,
+def _seal(keys: KeyRing | None, block: StoreBlock, head: memoryview, payload: memoryview, codec: str,
           done: Callable[[BlockHeader | None], None]) -> None:
     header = None
     try:
-        header = seal_header(block, head, payload, keys)
+        header = seal_header(block, head, payload, keys, codec)
     except Exception:  # a bug: fail the store, never hang it
         log.exception("%s: sealing the block raised", block.path)
     done(header)
