@@ -3,8 +3,6 @@ so both name the same namespace (``layout.namespace_for``)."""
 
 from __future__ import annotations
 
-import os
-
 from pykv.codec import Codec, codec_for
 from pykv.config import PREFIX, PykvConfig
 from pykv.errors import InputError
@@ -19,8 +17,3 @@ def engine_codec(pykv: PykvConfig) -> Codec:
         raise InputError(f"{PREFIX}.codec: {pykv.codec!r} is not available in the engine yet "
                          f"(available: {', '.join(WIRED)}; see docs/codecs.md)")
     return codec_for(pykv.codec)
-
-
-def codec_threads() -> int:
-    """Threads that encode and decode blocks beside the I/O: half the cores, 2 to 8."""
-    return max(2, min(8, (os.cpu_count() or 4) // 2))

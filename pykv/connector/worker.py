@@ -42,7 +42,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import codec_threads, engine_codec
+from pykv.connector.codecs import engine_codec
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -93,7 +93,7 @@ class PykvWorker(OffloadingWorker):
         register, unregister = (cuda_host_register, cuda_host_unregister) if cuda else (None, None)
         self.store = BlockStore(pykv, shape, self, register=register, unregister=unregister)
         self.codec_stage = None if codec.name == NONE else CodecStage(
-            codec, shape.slot_bytes, threads=codec_threads(), register=register, unregister=unregister)
+            codec, shape.slot_bytes, threads=pykv.codec_worker_threads(), register=register, unregister=unregister)
         self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
