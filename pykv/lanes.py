@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
+from pykv.daemon_threads import start_daemon_threads
+
 log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
@@ -99,14 +101,7 @@ class _Lane:
 
     def _start_threads(self) -> bool:
         """The lane's threads, on its first call; False when none could be started."""
-        for number in range(self.threads):
-            thread = threading.Thread(target=self._work, name=f"{THREAD_PREFIX}-{self.index}-{number}", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError as exc:  # the process's thread limit: the threads started so far serve
-                log.warning("pykv: lookup thread for device %d not started (%s)", self.index, exc)
-                break
-            self.workers.append(thread)
+        self.workers = start_daemon_threads(self._work, self.threads, f"{THREAD_PREFIX}-{self.index}")
         return bool(self.workers)
 
     def _work(self) -> None:

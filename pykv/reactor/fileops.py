@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
+from pykv.daemon_threads import start_daemon_threads
+
 log = logging.getLogger(__package__)
 
 Result = TypeVar("Result")
@@ -86,14 +88,8 @@ class _Lane:
                     self.queue.put(None)
 
     def _start_threads(self) -> bool:
-        for number in range(self.threads):
-            thread = threading.Thread(target=self._work, name=f"{THREAD_PREFIX}-{self.index}-{number}", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError as exc:  # the process's thread limit: the threads started so far serve
-                log.warning("file-call thread for device %d not started (%s)", self.index, exc)
-                break
-            self.workers.append(thread)
+        """The lane's threads, on its first call; False when none could be started."""
+        self.workers = start_daemon_threads(self._work, self.threads, f"{THREAD_PREFIX}-{self.index}")
         return bool(self.workers)
 
     def _work(self) -> None:
