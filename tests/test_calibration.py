@@ -210,6 +210,26 @@ def test_engine_mismatch_names_the_field_unless_overridden():
     assert [m.split(": ")[1] for m in mismatches] == ["model", "kv_layout"]
 
 
+def test_each_codec_has_its_calibration_and_an_old_file_is_for_none(tmp_path):
+    zstd = "planes-zstd:v1,elem=2,level=1,chunk=1048576"
+    engine = {"model": "/models/llama", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+"}
+    plain = calibration()
+    assert plain.codec == "none" and plain.check_engine(engine) == []
+    with pytest.raises(CalibrationError, match=r"codec: calibrated for 'none', this engine has 'planes-zstd:v1"):
+        plain.check_engine({**engine, "codec": zstd})
+    coded = calibration(codec=zstd)
+    coded.save(tmp_path / "coded.json")
+    loaded = Calibration.load(tmp_path / "coded.json")
+    assert loaded.codec == zstd and loaded.check_engine({**engine, "codec": zstd}) == []
+    with pytest.raises(CalibrationError, match="codec: calibrated for 'planes-zstd"):
+        loaded.check_engine(engine)  # an engine without a codec
+    old = loaded.to_json()
+    del old["codec"]  # a file written before codecs
+    assert Calibration.from_json(old).codec == "none"
+    with pytest.raises(CalibrationError, match="codec: expected a string"):
+        Calibration.from_json({**old, "codec": 7})
+
+
 def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
     target = tmp_path / "cal.json"
     target.write_text("old")

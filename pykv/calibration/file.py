@@ -20,8 +20,9 @@ MAX_FILE_BYTES = 1 << 20
 """A calibration file is a few KiB; a larger one is refused unread."""
 SCHEMA_KEY = "pykv_calibration"
 SCHEMA_VERSION = 1
-IDENTITY_FIELDS = ("model", "dtype", "kv_layout")
-"""What a calibration must share with the engine that uses it (else the engine refuses to start)."""
+IDENTITY_FIELDS = ("model", "dtype", "kv_layout", "codec")
+"""What a calibration must share with the engine that uses it (else the engine refuses to start): a codec
+changes what a hit costs, so each codec has its calibration (a file without ``codec`` is for ``none``)."""
 
 
 class CalibrationError(InputError):
@@ -41,6 +42,7 @@ class Calibration:
     kv_layout: str
     tiers: dict[str, TierCalibration]
     namespace: str | None = None
+    codec: str = "none"  # the ``params`` of the codec the calibrated engine stored with
     gpu: str = ""
     vllm_version: str = ""
     medium: dict[str, Any] = field(default_factory=dict)
@@ -50,7 +52,8 @@ class Calibration:
 
     def to_json(self) -> dict[str, Any]:
         return {SCHEMA_KEY: SCHEMA_VERSION, "created_at": self.created_at or _now(), "model": self.model,
-                "dtype": self.dtype, "kv_layout": self.kv_layout, "namespace": self.namespace, "gpu": self.gpu,
+                "dtype": self.dtype, "kv_layout": self.kv_layout, "codec": self.codec, "namespace": self.namespace,
+                "gpu": self.gpu,
                 "vllm_version": self.vllm_version, "medium": self.medium,
                 "tiers": {name: tier.to_json() for name, tier in self.tiers.items()}, **self.details}
 
@@ -65,7 +68,8 @@ class Calibration:
         if version != SCHEMA_VERSION:
             raise CalibrationError(source, SCHEMA_KEY, f"version {version!r} is not supported "
                                                        f"(this pykv reads {SCHEMA_VERSION})")
-        values = {name: _string(data, name, source) for name in IDENTITY_FIELDS}
+        values = {name: _string(data, name, source) for name in IDENTITY_FIELDS if name != "codec"}
+        values["codec"] = _string(data, "codec", source) if "codec" in data else "none"
         tiers_data = data.get("tiers")
         if not isinstance(tiers_data, dict):
             raise CalibrationError(source, "tiers", "missing or not an object of tiers")
@@ -120,13 +124,13 @@ class Calibration:
 
     def check_engine(self, engine: Mapping[str, str], *, override: bool = False,
                      source: object = "calibration") -> list[str]:
-        """Compare model, dtype and KV layout with the engine's; raise on a mismatch unless ``override``.
+        """Compare model, dtype, KV layout and codec with the engine's; raise on a mismatch unless ``override``.
 
         Returns the mismatches (as messages) that ``override`` let through.
         """
         mismatches = []
         for name in IDENTITY_FIELDS:
-            mine, theirs = getattr(self, name), str(engine[name])
+            mine, theirs = getattr(self, name), str(engine.get(name, "none") if name == "codec" else engine[name])
             if mine != theirs:
                 reason = (f"calibrated for {mine!r}, this engine has {theirs!r}; run `pykv calibrate` for this "
                           f"engine, or set kv_connector_extra_config.breakeven_override=true to use it anyway")

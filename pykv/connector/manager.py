@@ -102,7 +102,8 @@ class PykvManager(OffloadingManager):
         self._gauges_reported = -GAUGE_REPORT_S  # on ``clock``
         self._stats_file = CounterFile("scheduler")
         self.gate = None if not pykv.breakeven_file else BreakEvenGate.from_file(
-            pykv.breakeven_file, self.namespace.describe(), override=pykv.breakeven_override,
+            pykv.breakeven_file, {**self.namespace.describe(), "codec": self.namespace.codec},
+            override=pykv.breakeven_override,
             setting="kv_connector_extra_config.breakeven_file", margin=pykv.breakeven_margin)
         if pykv.auth_key_file:  # checked at start (the workers hold the keys): a bad key file stops the engine
             ring = load_key_ring(pykv.auth_key_file)

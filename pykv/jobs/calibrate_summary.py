@@ -143,7 +143,8 @@ def assemble(run: CalibrationRun, samples: list[dict[str, Any]], engines: dict[s
     gate_check = summarize_gate(samples)
     if gate_check is not None:
         details["gate_check"] = gate_check
-    return Calibration(model=namespace["model"], dtype=namespace["dtype"], kv_layout=namespace["kv_layout"],
+    codec = (namespace.get("extra") or {}).get("codec", "none")
+    return Calibration(model=namespace["model"], dtype=namespace["dtype"], kv_layout=namespace["kv_layout"], codec=codec,
                        tiers=tiers, namespace=namespace.get("id"), gpu=store.get("gpu", ""),
                        vllm_version=store.get("vllm_version", ""),
                        medium={"path": str(run.root), "read_gb_per_s": bandwidth, "direct_io": direct,
