@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pykv.policy_actions import Action, Deliver, Fill, Finish, Open, Read, Write
 from pykv.policy_index import CATEGORIES, FifoMerge, Kind, Stage, StageIndex, Transfer
@@ -223,14 +224,8 @@ class ReactorPolicy:
             io_used[t.lane] += 1
             actions.append(Read(t.id, t.slot))
         # 2. new demand work: filled stores write, queued stores get slots, queued loads open
-        filled = self._in(Stage.FILLED, Kind.STORE)
-        for t in filled:
-            if io_used[t.lane] >= self.io_depth:
-                filled.drop(t.lane)
-                continue
-            t.stage = Stage.WRITING
-            io_used[t.lane] += 1
-            actions.append(Write(t.id, t.slot))
+        self._advance(self._in(Stage.FILLED, Kind.STORE), io_used, self.io_depth, Stage.WRITING,
+                      lambda t: Write(t.id, t.slot), actions)
         for t in self._in(Stage.QUEUED, category="store"):  # FIFO, each waiting for a ledger slot
             if not self._take_slot(t, reclaim=True):
                 break
@@ -239,14 +234,8 @@ class ReactorPolicy:
         for t in self._in(Stage.QUEUED, category="store_slotted"):  # brought their slots: never wait
             t.stage = Stage.FILLING
             actions.append(Fill(t.id, t.slot))
-        queued = self._in(Stage.QUEUED, demand=True)
-        for t in queued:
-            if window[t.lane] >= self.open_ahead:
-                queued.drop(t.lane)
-                continue
-            t.stage = Stage.OPENING
-            window[t.lane] += 1
-            actions.append(Open(t.id))
+        self._advance(self._in(Stage.QUEUED, demand=True), window, self.open_ahead, Stage.OPENING,
+                      lambda t: Open(t.id), actions)
         # 3. speculative preloads: one at a time per lane, never from the foreground's reserve
         queued = self._in(Stage.QUEUED, demand=False, skip=self._speculating())
         for t in queued:
@@ -281,6 +270,19 @@ class ReactorPolicy:
                    if t.owns_slot)
 
     # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _advance(transfers: FifoMerge, used: list[int], limit: int, stage: Stage,
+                 action: Callable[[Transfer], Action], actions: list[Action]) -> None:
+        """Move ``transfers`` (oldest first) on to ``stage`` while their lane has room under ``limit``
+        (``used`` counts per lane); a lane that is full is skipped from then on."""
+        for t in transfers:
+            if used[t.lane] >= limit:
+                transfers.drop(t.lane)
+                continue
+            t.stage = stage
+            used[t.lane] += 1
+            actions.append(action(t))
+
     def _take_slot(self, t: Transfer, *, reclaim: bool = False) -> bool:
         """Give ``t`` a slot from the ledger unless it brought its own; False if none is free.
 
