@@ -257,18 +257,23 @@ class BlockStore:
         self._part_ended(part.id, failed, sum(delivered))
 
     # -- the reactor's callbacks (reactor thread) -------------------------------------------------
-    def fill(self, requests: list[FillRequest]) -> None:
+    def _may_copy(self, items: list, refuse: Callable[[object], None]) -> list:
+        """``((job, index), item)`` for each of ``items`` (fill requests or ready blocks) whose part may
+        still copy; ``refuse(item)`` for the others (a part given up: the engine may reuse its blocks)."""
         now = self._clock()
         with self._lock:
-            allowed = [self.stalls.may_copy(r.job, r.index, now) for r in requests]
-            granted = [r for r, ok in zip(requests, allowed) if ok]
-            located = [self.ledger.locate(r.job, r.index) for r in granted]
-        for r, ok in zip(requests, allowed):
-            if not ok:  # a store given up: the engine may have reused its blocks
-                self.reactor.filled(r.transfer, False)
+            allowed = [self.stalls.may_copy(i.job, i.index, now) for i in items]
+            live = [(self.ledger.locate(i.job, i.index), i) for i, ok in zip(items, allowed) if ok]
+        for item, ok in zip(items, allowed):
+            if not ok:
+                refuse(item)
+        return live
+
+    def fill(self, requests: list[FillRequest]) -> None:
+        granted = self._may_copy(requests, lambda r: self.reactor.filled(r.transfer, False))
         if granted:
             self.client.to_slots([SlotCopy(job, index, r.slot, r.length, r.target, token=r)
-                                  for (job, index), r in zip(located, granted)], self._filled)
+                                  for (job, index), r in granted], self._filled)
 
     def _filled(self, copy: SlotCopy, ok: bool, stored: int | None = None) -> None:
         request: FillRequest = copy.token
@@ -289,18 +294,11 @@ class BlockStore:
             self.client.store_released(release)
 
     def deliver(self, blocks: list[ReadyBlock]) -> None:
-        now = self._clock()
-        with self._lock:
-            allowed = [self.stalls.may_copy(b.job, b.index, now) for b in blocks]
-            live = [b for b, ok in zip(blocks, allowed) if ok]
-            located = [self.ledger.locate(b.job, b.index) for b in live]
-        for b, ok in zip(blocks, allowed):
-            if not ok:  # a load given up: its engine blocks are being recomputed
-                self.reactor.consumed(b.transfer)
+        live = self._may_copy(blocks, lambda b: self.reactor.consumed(b.transfer))  # given up: recomputed
         if live:
             self.client.from_slots([SlotCopy(job, index, b.slot, b.header.payload_length, b.target, token=b,
                                              codec=b.header.codec, decoded_length=b.header.raw_length)
-                                    for (job, index), b in zip(located, live)], self._delivered)
+                                    for (job, index), b in live], self._delivered)
 
     def _delivered(self, copy: SlotCopy, ok: bool) -> None:
         block: ReadyBlock = copy.token
