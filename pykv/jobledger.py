@@ -155,9 +155,14 @@ class JobLedger:
         state, indices = self._parts[part]
         return state.id, indices[index]
 
-    def copy_failed(self, part: object, index: int) -> None:
+    def copy_failed(self, part: object, index: int, failure: BlockFailure | None = None) -> None:
+        """A load's block was not copied out: the copy failed, or ``failure`` (e.g. ``Step.CHECK``:
+        its stored bytes do not decode, so its file is quarantined like any corrupt one)."""
         state, indices = self._parts[part]
-        state.copy_failed.add(indices[index])
+        if failure is None:
+            state.copy_failed.add(indices[index])
+        else:
+            state.failed.setdefault(indices[index], failure)
 
     def filled(self, part: object, index: int, ok: bool, length: int) -> bool:
         """A store's block was copied into its slot (or not); True when the job no longer holds

@@ -234,11 +234,11 @@ class BlockStore:
         copy_failed: set[int] = set()
         remaining = [len(copies)]
 
-        def copied(copy: SlotCopy, ok: bool) -> None:  # the client's copy thread, or this one
+        def copied(copy: SlotCopy, ok: bool, failure: BlockFailure | None = None) -> None:  # any thread
             with self._lock:
                 if not ok:
                     copy_failed.add(copy.token)
-                    self.ledger.copy_failed(part.id, copy.token)
+                    self.ledger.copy_failed(part.id, copy.token, failure)
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
@@ -300,11 +300,11 @@ class BlockStore:
                                              codec=b.header.codec, decoded_length=b.header.raw_length)
                                     for (job, index), b in live], self._delivered)
 
-    def _delivered(self, copy: SlotCopy, ok: bool) -> None:
+    def _delivered(self, copy: SlotCopy, ok: bool, failure: BlockFailure | None = None) -> None:
         block: ReadyBlock = copy.token
         with self._lock:
             if not ok:
-                self.ledger.copy_failed(block.job, block.index)
+                self.ledger.copy_failed(block.job, block.index, failure)
             settled = self.stalls.copy_ended(block.job, block.index, ok, self._clock())
         if settled:
             self._end_given_up_load(block.job)

@@ -55,8 +55,9 @@ class SlotCopy:
 
 
 CopyDone = Callable[..., None]
-"""``done(copy, ok)``; a store's may add ``stored``: the length of the stored bytes the client left
-at the start of the slot's payload, encoded with ``EngineShape.codec`` (None or absent: raw)."""
+"""``done(copy, ok)``; a store's may add ``stored=``: the length of the stored bytes the client left
+at the start of the slot's payload, encoded with ``EngineShape.codec`` (None or absent: raw); a failed
+load's may add ``failure=`` (a ``BlockFailure``; ``Step.CHECK``: stored bytes that do not decode)."""
 
 
 class StoreClient(Protocol):

@@ -21,11 +21,13 @@ def kv_like(n: int, seed: int = 0) -> bytes:
 
 
 def run(submit, *args):
-    """Call ``submit(*args, done)`` and wait for ``done``'s argument."""
+    """Call ``submit(*args, done)`` and wait for ``done``'s first argument (a decode's buffer; its
+    failure in ``run.failure``)."""
     box, event = [], threading.Event()
-    submit(*args, lambda value: (box.append(value), event.set()))
+    submit(*args, lambda value, *failure: (box.append((value, *failure)), event.set()))
     assert event.wait(10), "the stage never answered"
-    return box[0]
+    run.failure = box[0][1] if len(box[0]) > 1 else None
+    return box[0][0]
 
 
 @pytest.fixture
@@ -75,6 +77,7 @@ def test_a_payload_the_codec_refuses_is_stored_raw_and_a_refused_decode_is_a_mis
         assert run(stage.encode, memoryview(slot)) is None
         assert bytes(slot) == b"\x01" * 8192
         assert run(stage.decode, memoryview(slot), 8192, "refusing:v1") is None
+        assert run.failure.corrupt and "corrupt" in run.failure.detail
         assert len(stage._free) == stage.scratch.num_slots, "a refused decode gives its buffer back"
     finally:
         stage.close()
@@ -85,6 +88,7 @@ def test_stored_bytes_of_another_codec_or_damaged_are_a_miss(stage):
     slot = bytearray(raw)
     stored = run(stage.encode, memoryview(slot))
     assert run(stage.decode, memoryview(slot)[:stored], len(raw), "planes-zstd:v1,elem=2,level=3,chunk=1") is None
+    assert run.failure.corrupt, "another codec's block in this namespace is not one this engine wrote"
     damaged = bytearray(slot[:stored])
     damaged[:64] = bytes(64)  # the chunk table: lengths that do not add up
     assert run(stage.decode, memoryview(damaged), len(raw), stage.params) is None
@@ -101,7 +105,7 @@ def test_decodes_wait_for_a_free_buffer_and_memory_stays_bounded(stage):
             for _ in range(2 + SPARE_BUFFERS)]
     assert None not in held and len(set(held)) == len(held)
     late = threading.Event()
-    stage.decode(memoryview(slot)[:stored], len(raw), stage.params, lambda b: late.set())
+    stage.decode(memoryview(slot)[:stored], len(raw), stage.params, lambda b, failure: late.set())
     assert not late.wait(0.3), "a decode with no free buffer waits"
     stage.release(held.pop())
     assert late.wait(10)
@@ -114,11 +118,11 @@ def test_close_ends_work_still_waiting_for_a_buffer(stage):
     for _ in range(2 + SPARE_BUFFERS):
         run(stage.decode, memoryview(slot)[:stored], len(raw), stage.params)
     answers = []
-    stage.decode(memoryview(slot)[:stored], len(raw), stage.params, answers.append)
+    stage.decode(memoryview(slot)[:stored], len(raw), stage.params, lambda b, failure: answers.append((b, failure)))
     closer = threading.Thread(target=stage.close)
     closer.start()
     closer.join(10)
-    assert not closer.is_alive() and answers == [None]
+    assert not closer.is_alive() and answers[0][0] is None and not answers[0][1].corrupt
 
 
 def test_threads_must_be_positive():

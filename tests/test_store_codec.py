@@ -13,6 +13,7 @@ from test_store import NS, Client, store  # noqa: F401  (fixture)
 from pykv.blockfile import read_header, read_payload
 from pykv.codec import codec_for
 from pykv.codec.stage import CodecStage
+from pykv.failures import Step
 from pykv.format import CODED_VERSION, FORMAT_VERSION, HEADER_SIZE, Geometry, build_header, encode_header, file_size
 from pykv.staging import slot_bytes_for
 from pykv.store import BlockRef, BlockStore, EngineShape
@@ -39,7 +40,7 @@ class CodecClient(Client):
             if self.stored_override is not None:
                 done(c, True, self.stored_override)
                 continue
-            self.stage.encode(view, lambda stored, c=c: done(c, True, stored))
+            self.stage.encode(view, lambda stored, c=c: done(c, True, stored=stored))
 
     def from_slots(self, copies, done):
         for c in copies:
@@ -48,11 +49,12 @@ class CodecClient(Client):
                 self.loaded[self.jobs[c.job][c.index]] = bytes(stored)
                 done(c, True)
                 continue
-            self.stage.decode(stored, c.decoded_length, c.codec, lambda buffer, c=c: self._decoded(c, buffer, done))
+            self.stage.decode(stored, c.decoded_length, c.codec,
+                              lambda buffer, failure, c=c: self._decoded(c, buffer, failure, done))
 
-    def _decoded(self, c, buffer, done):
+    def _decoded(self, c, buffer, failure, done):
         if buffer is None:
-            done(c, False)
+            done(c, False, failure=failure)
             return
         self.loaded[self.jobs[c.job][c.index]] = bytes(self.stage.view(buffer)[:c.decoded_length])
         self.stage.release(buffer)
@@ -111,7 +113,7 @@ def test_a_dram_tier_slot_keeps_its_stored_bytes_and_serves_every_hit(coded):
     assert s.stats()["dram_delivered_blocks"] == 6 and s.reactor.stats["disk_reads"] == 0
 
 
-def test_a_block_the_client_cannot_decode_is_a_miss_not_kv(coded, tmp_path):
+def test_a_block_the_client_cannot_decode_is_a_miss_and_quarantined(coded, tmp_path):
     s, client = coded()
     submit(s, client, 1, KEYS[:1], load=False)
     client.wait(1)
@@ -123,7 +125,8 @@ def test_a_block_the_client_cannot_decode_is_a_miss_not_kv(coded, tmp_path):
     assert read_payload(path)[1] == damaged, "a valid block file as far as the format can tell"
     submit(s, client, 2, KEYS[:1], load=True)
     end = client.wait(2)
-    assert end.failures and KEYS[0] not in client.loaded
+    assert end.failures[0].step is Step.CHECK and KEYS[0] not in client.loaded
+    assert not path.exists() and s.counters["quarantined"] == 1, "undecodable: quarantined like a corrupt file"
 
 
 def test_a_client_stored_length_no_header_can_describe_fails_the_store(coded):

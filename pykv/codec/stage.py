@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from pykv.codec.base import Codec, CodecError
+from pykv.failures import BlockFailure, Step
 from pykv.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ SPARE_BUFFERS = 2
 
 Stored = int | None
 """What ``encode`` made of a payload: the stored length now at the start of the slot, or None (raw)."""
+Decoded = Callable[[int | None, BlockFailure | None], None]
+"""``done(buffer, failure)`` of a decode: the scratch buffer holding the payload, or why there is none."""
 
 
 class CodecStage:
@@ -81,38 +84,36 @@ class CodecStage:
         done(stored)
 
     # -- loads -------------------------------------------------------------------------------------
-    def decode(self, stored: memoryview, raw_length: int, params: str, done: Callable[[int | None], None]) -> None:
+    def decode(self, stored: memoryview, raw_length: int, params: str, done: Decoded) -> None:
         """Decode ``stored`` (a slot's stored bytes) to ``raw_length`` bytes on a codec thread;
-        ``done(buffer)`` there with the scratch buffer holding them (``release`` it after the copy),
-        or ``done(None)``: another codec's block, or bytes the codec refuses (a miss)."""
+        ``done(buffer, None)`` there with the scratch buffer holding them (``release`` it after the
+        copy), or ``done(None, failure)``: ``Step.CHECK`` for bytes this engine refuses (another
+        codec's, or undecodable: the file is corrupt), ``Step.COPY`` when the stage could not try."""
         self._pool.submit(self._decode, stored, raw_length, params, done)
 
-    def _decode(self, stored: memoryview, raw_length: int, params: str, done: Callable[[int | None], None]) -> None:
+    def _decode(self, stored: memoryview, raw_length: int, params: str, done: Decoded) -> None:
         if params != self.codec.params:
-            log.warning("pykv: a block stored by codec %r, this engine's is %r: not loaded", params,
-                        self.codec.params)
-            done(None)
+            done(None, BlockFailure(Step.CHECK, detail=f"stored by codec {params[:80]!r}, not this engine's"))
             return
         if not 0 <= raw_length <= self.scratch.slot_bytes:
-            done(None)
+            done(None, BlockFailure(Step.CHECK, detail=f"decodes to {raw_length} bytes, more than a slot"))
             return
         buffer = self._take()
-        if buffer is None:  # closing
-            done(None)
+        if buffer is None:
+            done(None, BlockFailure(Step.COPY, detail="the codec stage is closing"))
             return
         try:
             self.codec.decode(stored, self.scratch.view(buffer)[:raw_length])
         except CodecError as exc:
-            log.warning("pykv: %s; the block is recomputed", exc)
             self.release(buffer)
-            done(None)
+            done(None, BlockFailure(Step.CHECK, detail=str(exc)))
             return
         except Exception:  # a bug: this block is recomputed, nothing hangs
             log.exception("pykv: decoding a block raised; it is recomputed")
             self.release(buffer)
-            done(None)
+            done(None, BlockFailure(Step.COPY, detail="decoding raised"))
             return
-        done(buffer)
+        done(buffer, None)
 
     def view(self, buffer: int) -> memoryview:
         """The bytes of scratch ``buffer``."""

@@ -33,6 +33,7 @@ import torch
 
 from pykv.codec.stage import CodecStage
 from pykv.counters import CounterFile, WorkerCounter
+from pykv.failures import BlockFailure, Step
 from pykv.format_codec import NONE
 from pykv.format import HEADER_SIZE
 from pykv.jobledger import JobEnd, Kind, Release
@@ -291,7 +292,7 @@ class PykvWorker(OffloadingWorker):
                 done(copy, False)
                 return
             payload = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
-            stage.encode(payload, lambda stored: done(copy, True, stored))
+            stage.encode(payload, lambda stored: done(copy, True, stored=stored))
 
         self.copier.to_slots(self._tasks(copies), copied)
 
@@ -302,16 +303,17 @@ class PykvWorker(OffloadingWorker):
             self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
         for copy in (c for c in copies if c.codec != NONE):
             if self.codec_stage is None:  # a coded block in a namespace of codec none: not one of ours
-                done(copy, False)
+                done(copy, False, failure=BlockFailure(Step.CHECK, detail="a coded block in a namespace of none"))
                 continue
             stored = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
             self.codec_stage.decode(stored, copy.decoded_length or 0, copy.codec,
-                                    lambda buffer, copy=copy: self._copy_decoded(copy, buffer, done))
+                                    lambda buffer, failure, copy=copy: self._copy_decoded(copy, buffer, failure, done))
 
-    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, done: CopyDone) -> None:
+    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, failure: BlockFailure | None,
+                      done: CopyDone) -> None:
         """(Codec thread.) A decoded block from its scratch buffer to the engine, then the buffer is free."""
         if buffer is None:
-            done(copy, False)
+            done(copy, False, failure=failure)
             return
         stage = self.codec_stage
         target = copy.target
