@@ -2,7 +2,7 @@
 # benchmarks/h200_run.sh STAGE [options of `h200_connector.py stage`]
 #
 # Runs one stage of the pykv H200 benchmark on the GPU host, from the repository
-# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1-S5, T1, T2, T, P40, P80, R, I, a comma
+# root (the device tool's working directory). STAGE: A, B, C, D, L, K, M, S1-S5, T1, T2, T, LM, P40, P80, R, I, a comma
 # list (C,D), all (A-M), report, or setup (install and import check only). See
 # benchmarks/README.md for the device commands.
 #
@@ -11,6 +11,8 @@
 # - copies pykv/ (the installed package's layout; an older snapshot's top-level
 #   connector/, jobs/ and commands/ go under it) to $WORK/shim, adds xxhash from
 #   .device/extra when the image lacks it;
+# - stage LM installs LMCache from .device/lmcache into $WORK/lmcache-site itself (once per lease;
+#   h200bench/lmcache_stage.py), for its engines only;
 # - runs the stage with a deadline (PYKV_H200_BUDGET_S, default 560 s after this
 #   script started: the device tool stops a command at 600 s);
 # - appends JSON lines to $WORK/results.jsonl (persistent on the held host) and
@@ -25,7 +27,7 @@
 # `h200_connector.py stage` (--disk-dir, --shm, --mount-base; benchmarks/README.md).
 set -uo pipefail
 T0=$(date +%s)
-STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|S4|S5|T1|T2|T|P40|P80|R|I|C,D|all|report|setup) [stage options]}
+STAGE=${1:?usage: bash benchmarks/h200_run.sh STAGE (A|B|C|D|L|K|M|S1|S2|S3|S4|S5|T1|T2|T|LM|P40|P80|R|I|C,D|all|report|setup) [stage options]}
 shift
 REPO=$(pwd)
 WORK=${PYKV_H200_WORK:-/tmp/pykv-h200}

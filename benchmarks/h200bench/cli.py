@@ -12,8 +12,9 @@ from h200bench.engine import engine_main
 from h200bench.multibw import add_mbw_parser, mbw_main
 from h200bench.probes import bw_main
 from h200bench.report import report_main
-from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, SHM_DIR, STAGES,
-                                STRIPE_STAGES, TP_STAGES, WORK_DIR)
+from h200bench.lmcache_stage import WHEELS_DIR as LMCACHE_WHEELS_DIR
+from h200bench.settings import (CAL_SHAPES, DEVICE_PARTS_DIR, DISK_DIR_FALLBACK, GIB, MOUNT_BASE, PEER_STAGES, SHM_DIR,
+                                STAGES, STRIPE_STAGES, TP_STAGES, WORK_DIR)
 from h200bench.source_report import sources_main
 from h200bench.stages import StageRunner
 from h200bench.util import tree_bytes
@@ -23,7 +24,7 @@ def parse_stages(text: str) -> list[str]:
     if text.lower() == "all":
         return list(STAGES)
     stages = [s.strip().upper() for s in text.split(",") if s.strip()]
-    known = STAGES + STRIPE_STAGES + TP_STAGES
+    known = STAGES + STRIPE_STAGES + TP_STAGES + PEER_STAGES
     bad = [s for s in stages if s not in known]
     if bad:
         raise SystemExit(f"unknown stage(s) {bad}; choose from {', '.join(known)} or all")
@@ -114,13 +115,18 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2, help="stages T, T1, T2: tensor_parallel_size of the engines")
     p.add_argument("--tp-shape", default="8b", choices=["3b", *CAL_SHAPES],
                    help="stages T, T1, T2: model shape (ignored with --model-dir)")
+    p.add_argument("--lmcache-wheels", default=os.environ.get("PYKV_H200_LMCACHE_WHEELS", str(LMCACHE_WHEELS_DIR)),
+                   help="stage LM: the carried LMCache wheels (installed once into WORK/lmcache-site)")
+    p.add_argument("--lmcache-cpu-gib", type=float,
+                   help="stage LM: LMCache's max_local_cpu_size, GiB (default: twice the largest document's KV "
+                        "and 2, at least 5)")
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("stage",
-                       help="run stages: A, B, C, D, L, K, M, S1, S2, S3, T, T1, T2, all (A-M) or a comma list")
+                       help="run stages: A, B, C, D, L, K, M, S1, S2, S3, T, T1, T2, LM, all (A-M) or a comma list")
     p.add_argument("stages")
     p.add_argument("--dry-run", action="store_true", help="print the engines and their configs; run nothing")
     add_run_options(p)

@@ -1,4 +1,4 @@
-"""One engine process: a vLLM engine, a list of steps (fill, query, tokens, settle), JSON lines out.
+"""One engine process: a vLLM engine, a list of steps (fill, query, tokens, settle, drop_caches), JSON lines out.
 
 ``h200_connector.py engine CONFIG.json`` runs it; the runner writes the config
 (``runner.Runner.engine``). pykv runs as stock ``PykvSpec``; its counters come from the
@@ -17,7 +17,7 @@ from pathlib import Path
 from h200bench import diskstats
 from h200bench.settings import CHUNK, WARMUP_TOKENS
 from h200bench.stats import RECORDED, busy, load_job_fields, rank_deltas, read_stats, worker_counters
-from h200bench.util import doc_tokens, emit, expected_chunks, log, wait_files
+from h200bench.util import doc_tokens, drop_caches, emit, expected_chunks, log, wait_files
 
 
 def engine_main(config_path: str) -> int:
@@ -130,6 +130,8 @@ def engine_main(config_path: str) -> int:
                                "files": n, "files_expected": step["files_expected"]})
             else:
                 time.sleep(step.get("seconds", 2.0))
+        elif op == "drop_caches":  # between steps of one engine (stage LM: a query in the engine that filled)
+            emit(results, {"kind": "drop_caches", **tags, "ok": drop_caches()})
         else:
             raise ValueError(f"unknown step {op!r}")
 

@@ -12,7 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
-from h200bench import auth_stage, decode_report, source_report, striping_report, tp_report, verify_stage
+from h200bench import (auth_stage, decode_report, lmcache_stage, source_report, striping_report, tp_report,
+                       verify_stage)
 from h200bench.settings import ANCHORS, TARGETS
 from h200bench.stats import load_gb_per_s
 from h200bench.util import expected_chunks
@@ -80,8 +81,9 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
     media = [m for m in ("virtio", "loop", "shm") if any(r.get("medium") == m for r in ttft + bws)]
     text, md, summary, warnings = [], [], {"media": {}, "h2d_gb_per_s": h2d}, []
     header = ["length", "recompute", "pykv fill", "pykv disk hit", "pykv disk hit (full)", "pykv DRAM hit", "native CPU",
-              "native fs", "pykv load GB/s", "pykv e2e GB/s", "pykv load GB/s (full)", "DRAM load GB/s", "O_DIRECT GB/s",
-              "pykv files GB/s", "H2D GB/s", "load/O_DIRECT", "DRAM/native CPU", "native fs/pykv"]
+              "native fs", "LMCache", "LMCache fresh engine", "pykv load GB/s", "pykv e2e GB/s", "pykv load GB/s (full)",
+              "DRAM load GB/s", "O_DIRECT GB/s", "pykv files GB/s", "H2D GB/s", "load/O_DIRECT", "DRAM/native CPU",
+              "native fs/pykv", "LMCache/pykv"]
     for medium in media:
         odirect = bw_of(medium, "odirect_read")
         files_bw = bw_of(medium, "files_read")
@@ -95,6 +97,10 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
             dram, dram_rows = ttft_of(length, system="pykv", medium=medium, variant="header", phase="dram")
             ncpu, _ = ttft_of(length, system="native_cpu", phase="query")
             nfs, _ = ttft_of(length, system="native_fs", medium=medium, phase="query")
+            lmc, _ = ttft_of(length, system=lmcache_stage.SYSTEM, medium=medium, variant=lmcache_stage.SAME,
+                             phase="query")
+            lmc_fresh, _ = ttft_of(length, system=lmcache_stage.SYSTEM, medium=medium, variant=lmcache_stage.FRESH,
+                                   phase="query")
             load = median([load_gb_per_s(r) for r in disk_rows])
             e2e = median([r.get("e2e_gb_per_s") for r in disk_rows])
             load_full = median([load_gb_per_s(r) for r in full_rows])
@@ -102,6 +108,7 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
             r_load = load / odirect if load and odirect else None
             r_dram = dram / ncpu if dram and ncpu else None
             r_fs = nfs / disk if nfs and disk else None
+            r_lmc = lmc / disk if lmc and disk else None
             for r in disk_rows + full_rows:
                 if r.get("cached") is not None and r["cached"] < r.get("expected_cached", 0):
                     warnings.append(f"{medium} {r['variant']} L={length} doc {r['doc']}: disk query cached "
@@ -115,11 +122,13 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
                                     f"blocks from disk, {r.get('load_blocks_dram')} from DRAM "
                                     f"(expected at least {expected_chunks(length)} from DRAM)")
             row = [f"{length:,}", fmt(rec), fmt(pfill), fmt(disk), fmt(full), fmt(dram), fmt(ncpu), fmt(nfs),
-                   fmt(load, ".2f"), fmt(e2e, ".2f"), fmt(load_full, ".2f"), fmt(dram_load, ".2f"), fmt(odirect, ".2f"),
-                   fmt(files_bw, ".2f"), fmt(h2d, ".1f"), fmt(r_load, ".2f"), fmt(r_dram, ".2f"), fmt(r_fs, ".2f")]
+                   fmt(lmc), fmt(lmc_fresh), fmt(load, ".2f"), fmt(e2e, ".2f"), fmt(load_full, ".2f"),
+                   fmt(dram_load, ".2f"), fmt(odirect, ".2f"), fmt(files_bw, ".2f"), fmt(h2d, ".1f"), fmt(r_load, ".2f"),
+                   fmt(r_dram, ".2f"), fmt(r_fs, ".2f"), fmt(r_lmc, ".2f")]
             rows.append(row)
             msum["lengths"][length] = {"recompute": rec, "pykv_fill": pfill, "pykv_disk": disk, "pykv_disk_full": full,
                                        "pykv_dram": dram, "native_cpu": ncpu, "native_fs": nfs,
+                                       "lmcache": lmc, "lmcache_fresh": lmc_fresh, "lmcache_vs_pykv": r_lmc,
                                        "load_gb_per_s": load, "e2e_gb_per_s": e2e, "load_full_gb_per_s": load_full,
                                        "load_vs_odirect": r_load, "dram_vs_native_cpu": r_dram,
                                        "fs_vs_pykv": r_fs}
@@ -151,7 +160,8 @@ def build_report(records: list[dict]) -> tuple[str, str, dict]:
         text.append("")
     sections = (("striping", striping_report.build(records)), ("itl", decode_report.build(records)),
                 ("auth", auth_stage.build(records)), ("tp", tp_report.build(records)),
-                ("verify", verify_stage.build(records)), ("sources", source_report.build(records)))
+                ("verify", verify_stage.build(records)), ("lmcache", lmcache_stage.build(records)),
+                ("sources", source_report.build(records)))
     for key, section in sections:
         if section:
             text.extend(section.text)

@@ -52,6 +52,7 @@ class Runner:
         self.failed = False
         self.reserve = 0.0
         self.tp = 1  # tensor_parallel_size of the engines (stage T sets it)
+        self.extra_env: dict[str, str] = {}  # over the environment of the processes spawned (stage LM sets it)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def remaining(self) -> float:
@@ -140,7 +141,7 @@ class Runner:
         return max(24, math.ceil(tree * 1.1 / GIB) + 2)
 
     def env(self) -> dict:
-        env = {**os.environ, **ENGINE_ENV}
+        env = {**os.environ, **ENGINE_ENV, **self.extra_env}
         env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                  if p])
         if self.smoke:

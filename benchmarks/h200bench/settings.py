@@ -97,7 +97,10 @@ STRIPE_STAGES = ("S1", "S2", "S3", "S4", "S5")
 """Issue 17's stages (``striping``, S5 ``verify_stage``) and issue 20's S4 on the same devices: named on their own, not part of ``all``."""
 TP_STAGES = ("T", "T1", "T2")
 """Issue 19's stages (``tp_stage``): pykv at tensor parallelism ``--tp``; named on their own."""
+PEER_STAGES = ("LM",)
+"""Issue 38's stage (``lmcache_stage``): LMCache beside pykv; named on its own (it needs its wheels carried)."""
 # Seconds the required (non-optional) part of each stage takes on the H200 host, roughly: an
 # optional engine runs only when this much is left for the stages after it.
 STAGE_REQUIRED_S = {"A": 240, "B": 200, "C": 160, "D": 170, "L": 60, "K": 400, "M": 180,
-                    "S1": 420, "S2": 300, "S3": 420, "S4": 300, "S5": 400, "T1": 330, "T2": 170, "T": 500}
+                    "S1": 420, "S2": 300, "S3": 420, "S4": 300, "S5": 400, "T1": 330, "T2": 170, "T": 500,
+                    "LM": 300}

@@ -10,6 +10,7 @@ M: DRAM hits side by side: native CPU tier, then pykv with a DRAM tier (one engi
 L: loop device bandwidth sweep: request sizes, depths, split reactor reads.
 S1, S2, S3: several loop devices as one pykv cache (``striping``).
 T, T1, T2: pykv at tensor parallelism ``--tp`` against recompute and the native fs tier (``tp_stage``).
+LM: LMCache 0.5.3's local_disk backend on a loop device (``lmcache_stage``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from h200bench import auth_stage, calibrate_stage, striping, tp_stage, verify_stage
+from h200bench import auth_stage, calibrate_stage, lmcache_stage, striping, tp_stage, verify_stage
 from h200bench.loop import image_bytes
 from h200bench.runner import Runner
 from h200bench.settings import CHUNK, GIB, WARMUP_TOKENS
@@ -186,3 +187,6 @@ class StageRunner(Runner):
 
     def stage_T2(self) -> None:
         tp_stage.stage_t2(self)
+
+    def stage_LM(self) -> None:
+        lmcache_stage.stage_lm(self)
