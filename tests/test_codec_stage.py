@@ -128,3 +128,21 @@ def test_close_ends_work_still_waiting_for_a_buffer(stage):
 def test_threads_must_be_positive():
     with pytest.raises(ValueError):
         CodecStage(codec_for("planes-zstd"), SLOT, threads=0)
+
+
+def test_a_process_exits_while_a_decode_waits_for_a_buffer(tmp_path):
+    """The stage's threads are daemons: an engine that exits without closing it never hangs."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "from pykv.codec import codec_for\n"
+        "from pykv.codec.stage import SPARE_BUFFERS, CodecStage\n"
+        "stage = CodecStage(codec_for('planes-zstd'), 1 << 20, threads=1)\n"
+        "for _ in range(1 + SPARE_BUFFERS):\n"
+        "    stage._take()\n"  # every buffer held: the next decode waits
+        "stage.decode(memoryview(bytearray(64)), 64, stage.params, lambda b, f: None)\n"
+        "print('exiting')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "exiting" in done.stdout
+    assert all(thread.daemon for thread in CodecStage(codec_for("planes-zstd"), SLOT, threads=2)._threads)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import time
 from typing import Callable
 
 from pykv.codec.base import Codec, CodecError
+from pykv.daemon_threads import start_daemon_threads
 from pykv.failures import BlockFailure, Step
 from pykv.staging import StagingPool
 
@@ -48,8 +50,9 @@ class CodecStage:
         self.scratch = StagingPool(scratch_bytes, threads + SPARE_BUFFERS, register=register, unregister=unregister)
         self._free = list(range(self.scratch.num_slots))
         self._freed = threading.Condition()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._closed = False
+        self._threads = start_daemon_threads(self._serve, threads, THREAD_PREFIX)  # daemons: never hold an exit
 
     @property
     def params(self) -> str:
@@ -60,7 +63,7 @@ class CodecStage:
     def encode(self, payload: memoryview, done: Callable[[Stored], None]) -> None:
         """Encode the raw ``payload`` (a slot's payload bytes, writable) on a codec thread;
         ``done(stored)`` there once the slot holds what is to be written."""
-        self._pool.submit(self._encode, payload, done)
+        self._submit(lambda: self._encode(payload, done))
 
     def _encode(self, payload: memoryview, done: Callable[[Stored], None]) -> None:
         stored: Stored = None
@@ -89,7 +92,7 @@ class CodecStage:
         ``done(buffer, None)`` there with the scratch buffer holding them (``release`` it after the
         copy), or ``done(None, failure)``: ``Step.CHECK`` for bytes this engine refuses (another
         codec's, or undecodable: the file is corrupt), ``Step.COPY`` when the stage could not try."""
-        self._pool.submit(self._decode, stored, raw_length, params, done)
+        self._submit(lambda: self._decode(stored, raw_length, params, done))
 
     def _decode(self, stored: memoryview, raw_length: int, params: str, done: Decoded) -> None:
         if params != self.codec.params:
@@ -132,13 +135,35 @@ class CodecStage:
                 self._freed.wait()
             return self._free.pop() if self._free and not self._closed else None
 
-    def close(self) -> None:
+    def _submit(self, work: Callable[[], None]) -> None:
+        if self._threads:
+            self._work.put(work)
+        else:  # the process would start no thread: the caller's thread does it
+            work()
+
+    def _serve(self) -> None:
+        while (work := self._work.get()) is not None:
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - the work answers its caller itself; a thread outlives a bug
+                log.exception("pykv: codec work raised")
+
+    def close(self, timeout: float = 30.0) -> bool:
         """Finish the codec work under way (work still waiting for a buffer gives up) and free the
-        scratch memory; after the copier stopped, so no decoded buffer is still being copied."""
+        scratch memory; after the copier stopped, so no decoded buffer is still being copied. False
+        (the memory kept) when a thread did not finish within ``timeout``."""
         with self._freed:
             if self._closed:
-                return
+                return True
             self._closed = True
             self._freed.notify_all()
-        self._pool.shutdown(wait=True)
+        for _ in self._threads:
+            self._work.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            log.warning("pykv: codec work did not finish within %.0f s; its scratch memory stays allocated", timeout)
+            return False
         self.scratch.close()
+        return True
