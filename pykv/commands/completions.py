@@ -314,7 +314,7 @@ def update_docs(existing: str, generated: str) -> str:
 
 def render_all(app: typer.Typer | None = None) -> tuple[dict[str, str], str]:
     """Completion files by name, and the generated docs part."""
-    if app is None:
+    if app is None:  # imported here: the app imports this module (it registers the completion command)
         from pykv.commands.app import app
     app_help, commands = describe(app)
     files = {FILES[shell]: generate(commands) for shell, generate in GENERATORS.items()}
