@@ -127,6 +127,6 @@ def test_tree_errors_are_one_line(tree, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tree.root))
 
-    monkeypatch.setattr(fsck_command, "fsck", refuse)
+    monkeypatch.setattr(fsck_command, "fsck_devices", refuse)
     result = run("fsck", tree.root)
     assert result.exit_code == 1 and result.stderr.startswith("pykv: error: [Errno 13] Permission denied")

@@ -4,6 +4,7 @@ directories on one filesystem here."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from treefactory import BLOCK_SIZE, HOUR, NS, add_block, key, make_tree
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from pykv.commands.app import app
 from pykv.deviceset import DeviceSet
-from pykv.maintenance import fsck_devices, inspect_devices, last_gc, run_gc_devices
+from pykv.maintenance import fsck, fsck_devices, inspect_devices, last_gc, run_gc, run_gc_devices
 from pykv.maintenance.placement import block_key, reachable
 from pykv.maintenance.scan import Kind, Scan
 from pykv.tree import KVTree
@@ -98,6 +99,53 @@ def test_gc_dry_run_over_a_set_deletes_and_records_nothing(tmp_path):
     result = run_gc_devices(devices, 0, dry_run=True)
     assert result.freed_files == 6 and all(p.exists() for p in paths)
     assert all(last_gc(tree) is None for tree in devices)
+
+
+# -- a set of one is its tree: run_gc_devices and fsck_devices answer as run_gc and fsck do ---------
+def twin_trees(tmp_path):
+    """Two trees with the same blocks, ages alike: 4 old ones (oldest access first) and 2 young."""
+    trees = [make_tree(tmp_path / name) for name in ("one", "set")]
+    for tree in trees:
+        for i in range(4):
+            add_block(tree, key(i), accessed_ago=(10 - i) * HOUR, published_ago=11 * HOUR)
+        for i in range(4, 6):
+            add_block(tree, key(i), published_ago=60, accessed_ago=20 * HOUR)
+    return trees
+
+
+def untimed(summary):
+    return {k: v for k, v in summary.items() if k not in ("seconds", "finished_at")}
+
+
+@pytest.mark.parametrize("limit, min_age_s, dry_run, use_catalog", [
+    (3 * BLOCK_SIZE, 600, False, True),  # frees 3 of the old blocks
+    (0, 600, False, False),  # the young blocks keep it over the limit
+    (0, 0, True, True),  # a dry run frees nothing and records nothing
+])
+def test_gc_over_a_set_of_one_is_the_trees_gc(tmp_path, limit, min_age_s, dry_run, use_catalog):
+    alone, member = twin_trees(tmp_path)
+    expected = run_gc(alone, limit, min_age_s=min_age_s, dry_run=dry_run, use_catalog=use_catalog)
+    result = run_gc_devices(DeviceSet([member]), limit, min_age_s=min_age_s, dry_run=dry_run,
+                            use_catalog=use_catalog)
+    assert untimed(result.summary()) == untimed(expected.summary()) and "devices" not in result.summary()
+    assert result.devices == [] and result.target_reached == expected.target_reached
+    assert [e.path[len(str(member.root)):] for e in result.deleted] == \
+        [e.path[len(str(alone.root)):] for e in expected.deleted]
+    assert {p[len(str(member.root)):] for p in blocks(member)} == {p[len(str(alone.root)):] for p in blocks(alone)}
+    recorded = last_gc(member)
+    assert (recorded is None) == dry_run and (recorded is None or untimed(recorded) == untimed(last_gc(alone)))
+    assert (member.state_dir / "catalog.db").exists() == (alone.state_dir / "catalog.db").exists() == use_catalog
+
+
+def test_fsck_over_a_set_of_one_is_the_trees_fsck(tmp_path):
+    alone, member = twin_trees(tmp_path)
+    for tree in (alone, member):
+        os.truncate(tree.block_path(NS.id, key(1)), 100)
+        (tree.root / "junk.txt").write_text("not pykv's")
+    (report,) = fsck_devices(DeviceSet([member]))
+    expected = fsck(alone).as_dict()
+    assert report.device_id is None and "id" not in report.as_dict() and "unreachable_blocks" not in report.as_dict()
+    assert {**report.as_dict(), "root": None} == {**expected, "root": None}
 
 
 # -- fsck and inspect: per device, unreachable blocks reported, never removed -------------------

@@ -1,5 +1,5 @@
-"""``pykv fsck``: find and repair damage (``pykv.maintenance.fsck`` and ``repair``; several roots:
-``fsck_devices``, one report per device)."""
+"""``pykv fsck``: find and repair damage over the device set of its roots (``pykv.maintenance.fsck_devices``,
+one report per device, and ``repair`` of each); one root reports as one tree."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.console import Console
 
 from pykv.auth import AuthStatus, load_key_ring
 from pykv.commands.output import JsonFlag, RootsArgument, emit, error_line, line, open_roots, plural, size
-from pykv.maintenance import FsckReport, fsck, fsck_devices, repair
+from pykv.maintenance import FsckReport, fsck_devices, repair
 from pykv.maintenance.quarantine import combined
 from pykv.units import parse_duration
 
@@ -41,8 +41,7 @@ def fsck_command(
     grace_s = parse_duration(grace, field="--grace")
     keys = load_key_ring(key_file, field="--key-file") if key_file is not None else None
     devices = open_roots(roots)
-    reports = [fsck(devices[0], grace_s=grace_s, keys=keys)] if len(devices) == 1 else \
-        fsck_devices(devices, grace_s=grace_s, keys=keys)
+    reports = fsck_devices(devices, grace_s=grace_s, keys=keys)
     for tree, report in zip(devices, reports):
         if repair_ and report.findings:
             repair(tree, report, keys)

@@ -1,5 +1,5 @@
-"""``pykv gc``: delete least-recently-accessed blocks until the tree fits (``pykv.maintenance.run_gc``;
-over several roots, one device set, ``run_gc_devices``: the limit is the set's total)."""
+"""``pykv gc``: delete least-recently-accessed blocks until the device set of its roots fits
+(``pykv.maintenance.run_gc_devices``: the limit is the set's total; one root is one tree's gc)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from pykv.commands.output import JsonFlag, NoCatalogFlag, RootsArgument, emit, open_roots, plural, size, table, warn
-from pykv.maintenance import run_gc, run_gc_devices
+from pykv.maintenance import run_gc_devices
 from pykv.units import parse_duration, parse_size
 
 
@@ -33,11 +33,8 @@ def gc_command(
     """
     limit = parse_size(max_size, field="--max-size")
     min_age_s = parse_duration(min_age, field="--min-age")
-    devices = open_roots(roots)
-    if len(devices) == 1:
-        result = run_gc(devices[0], limit, min_age_s=min_age_s, dry_run=dry_run, use_catalog=not no_catalog)
-    else:
-        result = run_gc_devices(devices, limit, min_age_s=min_age_s, dry_run=dry_run, use_catalog=not no_catalog)
+    result = run_gc_devices(open_roots(roots), limit, min_age_s=min_age_s, dry_run=dry_run,
+                            use_catalog=not no_catalog)
     emit(result.summary(), as_json=as_json, render=_render)
     if not result.target_reached:
         warn(f"could not reach --max-size {size(limit)}: {size(result.remaining_bytes)} remain, "

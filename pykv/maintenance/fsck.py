@@ -47,10 +47,12 @@ checked like any other: its checksum (and MAC) over the stored bytes, its stored
 its codec's bound (else ``bad-header``); sound ones are counted by codec (``FsckReport.codecs``).
 Decoding is not tried: the engine that reads a block decodes it, and refuses it as a miss.
 
-Over a device set (``fsck_devices``) each device is checked as a tree of its own and
-reported on its own; a sound block on a device other than the two the set's placement
-picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it
-is counted per device, never a problem, and never moved or deleted.
+``fsck_devices`` checks a device set, what ``pykv fsck`` runs for one root or several: each
+device is checked as a tree of its own (``fsck``, the one-tree step) and reported on its own.
+Over two or more devices a sound block on a device other than the ones the set's placement
+picks is *unreachable* for engines with that set (``pykv.maintenance.placement``): it is
+counted per device, never a problem, and never moved or deleted. A set of one reaches every
+block: its report is its tree's ``fsck`` report, with no device identity or unreachable count.
 """
 
 from __future__ import annotations
@@ -227,8 +229,12 @@ def _check_other(entry: Entry, min_temp_mtime_ns: int) -> tuple[Problem, str] | 
 
 def fsck_devices(devices: DeviceSet, *, grace_s: float = DEFAULT_GRACE_S,
                  keys: KeyRing | None = None) -> list[FsckReport]:
-    """``fsck`` of every device of a set, each report with the device's identity and the count of
-    its sound blocks the set cannot reach (never a problem: ``pykv.maintenance.placement``)."""
+    """``fsck`` of every device of a set, one report each in the set's order. Over two or more
+    devices each report carries the device's identity and the count of its sound blocks the set
+    cannot reach (never a problem: ``pykv.maintenance.placement``); a set of one is its tree's
+    ``fsck`` report as it is."""
+    if len(devices) == 1:
+        return [fsck(devices[0], grace_s=grace_s, keys=keys)]
     reports = []
     for index, tree in enumerate(devices):
         report = fsck(tree, grace_s=grace_s, reachable=lambda path, i=index: is_reachable(devices, i, path),

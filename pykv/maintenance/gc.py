@@ -24,11 +24,14 @@ valid block header whose length is the file's size, and the file must have no ot
 link. Anything else at a block's name is *junk*: left in place, counted and reported
 (``pykv fsck`` says what it is), never a reason to delete real blocks.
 
-Over a device set (``run_gc_devices``) the limit is the set's total: the blocks of all
-devices are planned and collected in one least-recently-accessed order (each device
-scanned through its own catalog, each unlink relative to its own root's fd), and every
-device records the run in its ``gc.json``. Blocks the set cannot reach
-(``pykv.maintenance.placement``) get no special treatment.
+``run_gc_devices`` is gc over a device set, what ``pykv gc`` runs for one root or several.
+The limit is the set's total: the blocks of all devices are planned and collected in one
+least-recently-accessed order (each device scanned through its own catalog, each unlink
+relative to its own root's fd), and every device records the run in its ``gc.json``. Blocks
+the set cannot reach (``pykv.maintenance.placement``) get no special treatment. A set of one
+is its tree's gc, ``run_gc``: the same result and ``gc.json``, with no per-device list.
+``run_gc`` and ``collect_scanned`` are the one-tree steps (the engine's evictor keeps each
+device under its own limit with ``collect_scanned``).
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class GcResult:
     junk_bytes: int = 0
     freed_by_namespace: Counter = field(default_factory=Counter)
     deleted: list[Entry] = field(default_factory=list, repr=False)
-    devices: list[dict[str, Any]] = field(default_factory=list)  # per device, when gc ran over a set
+    devices: list[dict[str, Any]] = field(default_factory=list)  # per device, over a set of two or more
     finished_at: float = 0.0
     seconds: float = 0.0
 
@@ -229,7 +232,8 @@ def _is_pykv_block(path: str, st: os.stat_result) -> bool:
 
 def run_gc(tree: KVTree, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool = False,
            use_catalog: bool = True) -> GcResult:
-    """Scan, plan and collect; record the outcome in ``gc.json`` unless ``dry_run``."""
+    """One tree's gc (``run_gc_devices``'s step for a set of one): scan, plan and collect; record
+    the outcome in ``gc.json`` unless ``dry_run``."""
     check_limits(max_size, min_age_s)  # before the scan creates .pykv/catalog.db
     started = time.monotonic()
     scan = scan_tree(tree, use_catalog=use_catalog)
@@ -246,19 +250,19 @@ def collect_scanned(tree: KVTree, entries: Iterable[Entry], max_size: int, *, mi
     result.finished_at = time.time()
     result.seconds = time.monotonic() - started
     if not dry_run:
-        try:
-            record_gc(tree, result)
-        except OSError as exc:  # a read-only .pykv must not turn a done gc into a failure
-            log.warning("could not record gc in %s: %s", tree.state_dir / GC_STATE_NAME, exc)
+        _record_on([tree], result)
     return result
 
 
 def run_gc_devices(devices: DeviceSet, max_size: int, *, min_age_s: float = DEFAULT_MIN_AGE_S,
                    dry_run: bool = False, use_catalog: bool = True) -> GcResult:
-    """``run_gc`` over a device set: ``max_size`` bounds the set's total, and the blocks of all
-    devices go in one least-recently-accessed order (each device scanned through its own
-    catalog). ``devices`` of the result: per device, what it held and what was freed there.
-    Every device records the set's outcome in its ``gc.json``."""
+    """gc over a device set: ``max_size`` bounds the set's total, and the blocks of all devices go
+    in one least-recently-accessed order (each device scanned through its own catalog). Every
+    device records the set's outcome in its ``gc.json``. Over two or more devices, ``devices`` of
+    the result says per device what it held and what was freed there; a set of one is its
+    tree's ``run_gc``, result and ``gc.json`` alike."""
+    if len(devices) == 1:
+        return run_gc(devices[0], max_size, min_age_s=min_age_s, dry_run=dry_run, use_catalog=use_catalog)
     check_limits(max_size, min_age_s)
     started = time.monotonic()
     scans = [scan_tree(tree, use_catalog=use_catalog) for tree in devices]
@@ -275,12 +279,18 @@ def run_gc_devices(devices: DeviceSet, max_size: int, *, min_age_s: float = DEFA
     result.devices = [{**share.as_dict(), "freed_files": files, "freed_bytes": size}
                       for share, (files, size) in zip(device_shares(devices, [s.entries for s in scans]), freed)]
     if not dry_run:
-        for tree in devices:
-            try:
-                record_gc(tree, result)
-            except OSError as exc:
-                log.warning("could not record gc in %s: %s", tree.state_dir / GC_STATE_NAME, exc)
+        _record_on(devices, result)
     return result
+
+
+def _record_on(trees: Iterable[KVTree], result: GcResult) -> None:
+    """``record_gc`` on each tree; a failure is logged (a read-only .pykv must not turn a done gc
+    into a failure)."""
+    for tree in trees:
+        try:
+            record_gc(tree, result)
+        except OSError as exc:
+            log.warning("could not record gc in %s: %s", tree.state_dir / GC_STATE_NAME, exc)
 
 
 def record_gc(tree: KVTree, result: GcResult) -> None:
