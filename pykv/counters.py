@@ -188,6 +188,10 @@ class WorkerCounter(_Documented):
         "Storage blocks of a store dropped because vLLM needed their GPU blocks back before a staging "
         "slot was free (the disk could not keep up; the engine did not wait).")
     STORE_PAUSES = "store_pauses", "Times stores were paused after a disk failure."
+    BLOCKS_UNANSWERED = ("blocks_unanswered",
+        "Storage blocks of load and store jobs (several devices) a device did not answer the existence check "
+        "for within lookup_deadline (a stalled mount): a load failed them, and every later block of its part, "
+        "unread and recomputed (in load_blocks_failed_disk); a store left them unstored (in store_blocks_failed).")
     QUARANTINED = "quarantined", "Corrupt block files moved to quarantine."
     PRELOAD_BLOCKS_PLANNED = "preload_blocks_planned", "Blocks named in preload plans this worker received."
     FLUSH_WAITS = "flush_waits", "Times vLLM waited for store jobs (``wait``)."

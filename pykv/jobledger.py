@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from pykv.counters import WorkerCounter as C
 from pykv.failures import BlockFailure, Step
@@ -133,11 +133,16 @@ class JobLedger:
         return [self._part(state, ("dram", job), in_dram, from_dram=True),
                 self._part(state, ("disk", job), on_disk, from_dram=False)]
 
-    def open_store(self, job: object, keys: Sequence[bytes], slots: Sequence[int | None], now: float) -> Part:
+    def open_store(self, job: object, keys: Sequence[bytes], slots: Sequence[int | None], now: float,
+                   unstored: Mapping[int, BlockFailure] | None = None) -> Part:
+        """A store job; its part holds the blocks to write: all but ``unstored`` (index -> why), which
+        fail at once, never filled (their DRAM slot holds nothing of this rank's)."""
+        unstored = dict(unstored or {})
+        writes = tuple(i for i in range(len(keys)) if i not in unstored)
         state = self._open(_Job(job, Kind.STORE, tuple(keys), tuple(slots), (False,) * len(keys), now,
-                                unfilled=set(range(len(keys)))))
+                                failed=unstored, copy_failed=set(unstored), unfilled=set(writes)))
         self.counters[C.STORE_JOBS] += 1
-        return self._part(state, job, tuple(range(len(keys))))
+        return self._part(state, job, writes)
 
     def _open(self, state: _Job) -> _Job:
         if state.id in self._jobs:
@@ -163,6 +168,12 @@ class JobLedger:
             state.copy_failed.add(indices[index])
         else:
             state.failed.setdefault(indices[index], failure)
+
+    def unread(self, part: object, failed: Mapping[int, BlockFailure]) -> None:
+        """Blocks of a load's ``part`` (by index in it) the reactor is not given: failed already (their
+        device is not known, ``pykv.holders``)."""
+        state, indices = self._parts[part]
+        state.failed.update({indices[i]: failure for i, failure in failed.items()})
 
     def filled(self, part: object, index: int, ok: bool, length: int) -> bool:
         """A store's block was copied into its slot (or not); True when the job no longer holds

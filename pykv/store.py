@@ -34,6 +34,7 @@ from pykv.auth import load_key_ring
 from pykv.config import PykvConfig
 from pykv.errors import FormatError
 from pykv.failures import BlockFailure, Step, os_failure
+from pykv.holders import BlockHolders
 from pykv.io.probe import open_backend
 from pykv.jobledger import JobEnd, JobLedger, Part
 from pykv.policy import Kind
@@ -104,6 +105,7 @@ class BlockStore:
         self.io_stopped = True  # after stop_io: the reactor stopped (False: I/O in flight never returned)
         self.reactor = build_reactor(config, self.pool, self.devices, client=self, on_job_done=self._reactor_job_done)
         self.medium = self.reactor.medium
+        self.holders = BlockHolders(self.medium, self.devices, self.namespace.id, config.lookup_deadline, self.counters)
 
     # -- jobs ----------------------------------------------------------------------------------
     def load_blocks(self, job: object, blocks: Sequence[BlockRef], *, owner: Hashable | None = None,
@@ -116,14 +118,17 @@ class BlockStore:
                                           self._clock())
         if urgent:
             self.counters[C.LOAD_JOBS_EXPEDITED] += 1
-        for part in parts:
-            loads = [self._load_block(blocks[i], slots[i]) for i in part.indices]
+        for part in parts:  # a DRAM part's blocks need no lookup (``readable``): their slots hold them
+            paths, failed = self.holders.readable([blocks[i].key for i in part.indices], find=not part.from_dram)
+            loads = [LoadBlock(path, self.namespace.fingerprint, blocks[i].key, blocks[i].geometry, slot=slots[i],
+                               target=blocks[i].target) for i, path in zip(part.indices, paths)]
             if part.from_dram:
                 self._serve_from_dram(part, loads)
-            else:
-                with self._lock:
-                    self.stalls.watch(part.id, Kind.LOAD, len(loads), self._clock())
-                self.reactor.read(part.id, loads, owner=owner, urgent=urgent)
+                continue
+            with self._lock:
+                self.ledger.unread(part.id, failed)  # blocks without a known holder: recomputed
+                self.stalls.watch(part.id, Kind.LOAD, len(loads), self._clock())
+            self.reactor.read(part.id, loads, owner=owner, urgent=urgent)
 
     def store_blocks(self, job: object, blocks: Sequence[BlockRef]) -> bool:
         """Store ``blocks``; False (nothing submitted, ``job_ended`` not called) while stores are paused."""
@@ -131,20 +136,20 @@ class BlockStore:
             self.counters[C.STORE_BLOCKS_PAUSED] += len(blocks)
             return False
         slots = [self._pool_slot(b.dram_slot) for b in blocks]
+        paths, unstored = self.holders.writable([b.key for b in blocks])  # no device answered: unstored
         with self._lock:
-            part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock())
-            self.stalls.watch(part.id, Kind.STORE, len(blocks), self._clock())
-        locations = self.medium.place(self.namespace.id, [b.key for b in blocks])
+            part = self.ledger.open_store(job, [b.key for b in blocks], slots, self._clock(), unstored)
+            self.stalls.watch(part.id, Kind.STORE, len(part.indices), self._clock())
         self.reactor.write(part.id, [
-            StoreBlock(path, self.namespace.fingerprint, b.key, b.geometry, slot=s, target=b.target,
-                       codec=self.engine.codec)
-            for path, b, s in zip(locations, blocks, slots)])
+            StoreBlock(path, self.namespace.fingerprint, blocks[i].key, blocks[i].geometry, slot=slots[i],
+                       target=blocks[i].target, codec=self.engine.codec) for i, path in zip(part.indices, paths)])
         return True
 
     def preload_blocks(self, owner: Hashable, keys: Sequence[bytes]) -> None:
         """Read these blocks ahead for ``owner`` (a request still waiting); its load claims them."""
         self.counters[C.PRELOAD_BLOCKS_PLANNED] += len(keys)
-        self.reactor.read_ahead(owner, [self._load_block(BlockRef(k), None) for k in keys])
+        paths, _ = self.holders.readable(keys)  # up to the first block without a known holder
+        self.reactor.read_ahead(owner, [LoadBlock(path, self.namespace.fingerprint, k) for k, path in zip(keys, paths)])
 
     def release_preloads(self, owner: Hashable) -> None:
         self.reactor.release_preloads(owner)
@@ -191,6 +196,7 @@ class BlockStore:
         at most ``io_deadline`` for I/O that does not return (a stalled mount)."""
         if not self._stopped:
             self._stopped = True
+            self.holders.close()  # a check hung on a stalled mount stays on its daemon thread
             self.io_stopped = self.reactor.close(timeout=self.config.io_deadline)
             if not self.io_stopped:
                 log.warning("pykv worker %d: I/O to %s did not return within io_deadline (%.0f s); its staging "
@@ -210,10 +216,6 @@ class BlockStore:
         if dram_slot is None or not 0 <= dram_slot < self.dram_slots:
             return None
         return self.dram_base + dram_slot
-
-    def _load_block(self, block: BlockRef, slot: int | None) -> LoadBlock:
-        return LoadBlock(self.medium.locate(self.namespace.id, block.key), self.namespace.fingerprint, block.key,
-                         block.geometry, slot=slot, target=block.target)
 
     def _serve_from_dram(self, part: Part, blocks: list[LoadBlock]) -> None:
         """Blocks sitting in their DRAM-tier slots: no I/O, so no reactor. Each slot's header is

@@ -143,3 +143,28 @@ def test_a_job_id_is_open_once():
     ledger.open_store(1, K[:1], [None], now=0.0)
     with pytest.raises(ValueError):
         ledger.open_load(1, K[:1], [None], [False], now=0.0)
+
+
+def test_a_store_opened_with_unstored_blocks_writes_the_others_and_reports_them_failed_at_once():
+    ledger = JobLedger(early_release=True)
+    lookup = BlockFailure(Step.STALL, detail="its device did not answer within lookup_deadline")
+    part = ledger.open_store(5, K[:4], [0, 1, None, 3], now=0.0, unstored={1: lookup, 2: lookup})
+    assert part.indices == (0, 3) and ledger.locate(part.id, 1) == (5, 3)
+    assert ledger.holds_engine_blocks([5])
+    ledger.filled(part.id, 0, True, 10)
+    assert ledger.filled(part.id, 1, True, 10) and not ledger.holds_engine_blocks([5])
+    end = ledger.part_ended(part.id, {}, 20, now=1.0, published=2)
+    assert end.failures == {1: lookup, 2: lookup} and end.failed_stores == ((1, False), (2, False))
+    assert end.pause is None and end.stores_ended == (0, 1, 3)  # every DRAM slot of this rank is free again
+    every = ledger.open_store(6, K[:2], [None, None], now=0.0, unstored={0: lookup, 1: lookup})
+    assert every.indices == () and not ledger.holds_engine_blocks([6])
+
+
+def test_blocks_of_a_load_that_are_not_read_fail_at_their_place_in_the_job():
+    ledger = JobLedger()
+    dram, disk = ledger.open_load(8, K[:4], [0, None, None, None], [True, False, False, False], now=0.0)
+    ledger.unread(disk.id, {1: MISSING, 2: MISSING})
+    ledger.part_ended(dram.id, {}, 10, now=0.5)
+    end = ledger.part_ended(disk.id, {}, 10, now=1.0)
+    assert end.failures == {2: MISSING, 3: MISSING} and end.first_failed == 2 and end.quarantine == ()
+    assert ledger.counters[C.LOAD_BLOCKS_FAILED_DISK] == 2 and ledger.counters[C.LOAD_BLOCKS_DISK] == 1

@@ -82,6 +82,16 @@ class Medium(abc.ABC):
         """Where one store writes each of ``keys`` (in order): a block already there keeps its location."""
         return [self.locate(namespace_id, key) for key in keys]
 
+    def locate_on(self, lane: int, namespace_id: str, key: bytes) -> Path:
+        """The block's location on device ``lane``, one of its candidates (no I/O: a caller that found
+        the device holding it, ``pykv.holders``). One device: ``locate``, which makes no I/O there."""
+        return self.locate(namespace_id, key)
+
+    def place_held(self, namespace_id: str, keys: Sequence[bytes], held: Sequence[int | None]) -> list[Path]:
+        """``place`` with each block's holder found already (``held[i]``: the device holding ``keys[i]``,
+        None: none of its candidates does): the placement alone, no I/O."""
+        return [self.locate(namespace_id, key) for key in keys]
+
     @abc.abstractmethod
     def contains(self, namespace_id: str, key: bytes) -> bool:
         """Whether the block is published (the scheduler's lookup: cheap, no read; a link is no block)."""

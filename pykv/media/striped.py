@@ -77,16 +77,20 @@ class StripedMedium(Medium):
         """Each block on its candidate holding it already; the others each on the candidate least
         used by these blocks and the recent ones, then moved while the busiest device can shed one
         (``_shed_one``)."""
-        found = []
-        for key in keys:  # the existence checks outside the lock
-            choices = self.devices.candidates(key)
-            found.append((choices, self.devices.holding(namespace_id, key, choices=choices, on=self.media)))
+        held = [self.devices.holding(namespace_id, key, on=self.media) for key in keys]  # outside the lock
+        return self.place_held(namespace_id, keys, held)
+
+    def locate_on(self, lane: int, namespace_id: str, key: bytes) -> Path:
+        return self.media[lane].locate(namespace_id, key)
+
+    def place_held(self, namespace_id: str, keys: Sequence[bytes], held: Sequence[int | None]) -> list[Path]:
+        candidates = [self.devices.candidates(key) for key in keys]
         chosen, options = [], []
         with self._placing:
             used = [0] * len(self.media)
             for index in self._recent:
                 used[index] += 1
-            for choices, index in found:
+            for choices, index in zip(candidates, held):
                 if index is None:
                     index = min(choices, key=used.__getitem__)
                     options.append((len(chosen), choices))
