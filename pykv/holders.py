@@ -24,6 +24,7 @@ from pykv.deviceset import DeviceSet
 from pykv.failures import BlockFailure, Step
 from pykv.lanes import LaneCalls
 from pykv.media.base import Medium
+from pykv.presence import find_holders
 
 MISSING = BlockFailure(Step.OPEN, errno.ENOENT, "on none of its devices")
 UNANSWERED = BlockFailure(Step.STALL, detail="its device did not answer within lookup_deadline (a stalled mount?)")
@@ -69,26 +70,11 @@ class BlockHolders:
     def _find(self, keys: Sequence[bytes]) -> list[int | BlockFailure]:
         """Each key's holder (the first candidate found holding it), or ``MISSING`` / ``UNANSWERED``
         (several devices only)."""
-        held: dict[bytes, int] = {}
-        unknown: set[bytes] = set()
-        pending, position = list(dict.fromkeys(keys)), 0
-        while pending:
-            asked = [(key, choices[position]) for key in pending
-                     if position < len(choices := self.devices.candidates(key))]
-            answers = self.calls.run(self._contains, [(device, (device, key)) for key, device in asked])
-            for (key, device), answer in zip(asked, answers):
-                if answer:
-                    held[key] = device
-                elif answer is None:
-                    unknown.add(key)
-            pending = [key for key, _ in asked if key not in held]
-            position += 1
-        return [held[key] if key in held else UNANSWERED if key in unknown else MISSING for key in keys]
+        ns = self.namespace_id
+        held, unknown = find_holders(self.devices, self.calls, [(ns, key) for key in keys])
+        return [held[ns, key] if (ns, key) in held else UNANSWERED if (ns, key) in unknown else MISSING
+                for key in keys]
 
     def close(self, timeout: float = 0.0) -> bool:
         """Stop the devices' threads (False: a check still hangs on its daemon thread)."""
         return self.calls is None or self.calls.close(timeout)
-
-    def _contains(self, block: tuple[int, bytes]) -> bool:  # on the device's thread
-        device, key = block
-        return self.devices[device].contains(self.namespace_id, key)

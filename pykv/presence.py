@@ -22,6 +22,33 @@ MAX_HOLDERS = 1 << 16
 Block = tuple[int, str, bytes]  # (device, namespace id, key)
 
 
+def find_holders(devices: DeviceSet, calls: LaneCalls, blocks: Sequence[tuple[str, bytes]]
+                 ) -> tuple[dict[tuple[str, bytes], int], set[tuple[str, bytes]]]:
+    """Ask each ``(namespace id, key)``'s candidate devices in rounds, first choices first, each on its
+    device's threads (``calls``, within their deadline): the device found holding each block, and
+    the blocks a candidate did not answer for (unknown unless another candidate held them)."""
+    held: dict[tuple[str, bytes], int] = {}
+    unknown: set[tuple[str, bytes]] = set()
+    pending, position = list(dict.fromkeys(blocks)), 0
+
+    def contains(block: Block) -> bool:  # on the device's thread
+        device, ns, key = block
+        return devices[device].contains(ns, key)
+
+    while pending:
+        asked = [(ns, key, choices[position]) for ns, key in pending
+                 if position < len(choices := devices.candidates(key))]
+        answers = calls.run(contains, [(device, (device, ns, key)) for ns, key, device in asked])
+        for (ns, key, device), answer in zip(asked, answers):
+            if answer:
+                held[ns, key] = device
+            elif answer is None:
+                unknown.add((ns, key))
+        pending = [(ns, key) for ns, key, _ in asked if (ns, key) not in held]
+        position += 1
+    return held, unknown
+
+
 class DiskPresence:
     """Existence checks and access stamps of blocks over ``devices`` for ``namespaces`` (one per rank)."""
 
@@ -38,23 +65,11 @@ class DiskPresence:
     def find(self, keys: Sequence[bytes]) -> list[bool | None]:
         """For each key: True when every rank's file is published, False when one rank's is on none of
         its candidates, else None (a device did not answer in time and no other candidate held it)."""
-        found: set[tuple[str, bytes]] = set()
-        unknown: set[tuple[str, bytes]] = set()
-        pending = list(dict.fromkeys((ns, key) for key in keys for ns in self.namespaces))
-        position = 0
-        while pending:
-            asked = [(ns, key, choices[position]) for ns, key in pending
-                     if position < len(choices := self.devices.candidates(key))]
-            answers = self.calls.run(self._contains, [(device, (device, ns, key)) for ns, key, device in asked])
-            for (ns, key, device), answer in zip(asked, answers):
-                if answer:
-                    found.add((ns, key))
-                    self._remember(ns, key, device)
-                elif answer is None:
-                    unknown.add((ns, key))
-            pending = [(ns, key) for ns, key, _ in asked if (ns, key) not in found]
-            position += 1
-        return [_verdict([(ns, key) in found for ns in self.namespaces],
+        held, unknown = find_holders(self.devices, self.calls,
+                                     [(ns, key) for key in keys for ns in self.namespaces])
+        for (ns, key), device in held.items():
+            self._remember(ns, key, device)
+        return [_verdict([(ns, key) in held for ns in self.namespaces],
                          [(ns, key) in unknown for ns in self.namespaces]) for key in keys]
 
     def stamp(self, keys: Sequence[bytes]) -> int:
@@ -73,10 +88,6 @@ class DiskPresence:
         return self.calls.close(timeout)
 
     # -- on the devices' threads ----------------------------------------------------------------------
-    def _contains(self, block: Block) -> bool:
-        device, ns, key = block
-        return self.devices[device].contains(ns, key)
-
     def _touch(self, block: Block) -> bool:
         device, ns, key = block
         tree = self.devices[device]
