@@ -107,6 +107,7 @@ class KVPages:
 
 def main(plan_path: str, result_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
+    from pykv.connector import compat
     from pykv.connector.compat import LLM, SamplingParams
 
     kwargs = dict(model=plan["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=32,
@@ -154,6 +155,9 @@ def main(plan_path: str, result_path: str) -> None:
         else:
             raise ValueError(f"unknown op {op!r}")
         Path(result_path).write_text(json.dumps(results, indent=1))
+    # vLLM's shutdown before os._exit: the engine core ends its connector (pykv's evictor finishes
+    # its round and removes its lease temp) instead of outliving this script while a test reads the tree
+    compat.shutdown_engine(llm)
     del llm, pages
     Path(result_path).write_text(json.dumps(results, indent=1))
 
