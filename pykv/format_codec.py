@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from pykv.codec.base import Buffer, Codec, CodecError, byte_view
-from pykv.errors import FormatError
+from pykv.errors import FormatError, PykvError
 
 if TYPE_CHECKING:
     from pykv.format import BlockHeader
@@ -63,7 +63,7 @@ def unknown_bound(raw: int) -> int:
 def stored_bound(params: str, raw: int) -> int:
     """The most bytes the codec ``params`` stores for ``raw`` payload bytes: its ``encoded_bound``
     for a codec this pykv can build from its params, else ``unknown_bound``. ``CodecError`` for a
-    raw length the codec cannot encode (an fp8 payload that is not whole pages)."""
+    raw length the codec cannot encode (an fp8 payload that is not whole groups)."""
     codec = codec_from_params(params)
     return unknown_bound(raw) if codec is None else codec.encoded_bound(raw)
 
@@ -85,20 +85,18 @@ def check_stored(path: object, params: str, stored: int, raw: int) -> None:
 @lru_cache(maxsize=16)
 def codec_from_params(params: str) -> Codec | None:
     """The codec whose ``params`` are exactly ``params``, if this pykv can build it (the
-    registry's ``planes-zstd``; ``fp8`` of any page shape, when torch is installed); else None."""
+    registry's ``planes-zstd``; ``fp8`` of any dtype and group it encodes, when torch is
+    installed); else None."""
     from pykv.codec.registry import codec_for
     name, _, settings = params.partition(":")
     if name == "planes-zstd":
         codec = codec_for(name)
     elif name == "fp8":
         try:
-            from pykv.codec.fp8 import PageShape
             fields = dict(item.partition("=")[::2] for item in settings.split(","))
-            page = PageShape(heads=int(fields["heads"]), tokens=int(fields["tokens"]),
-                             head_dim=int(fields["head_dim"]), dtype=fields["dtype"], order=fields["order"])
-        except (ImportError, KeyError, ValueError):
+            codec = codec_for(name, dtype=fields["dtype"], group=int(fields["group"]))
+        except (ImportError, KeyError, ValueError, PykvError):
             return None
-        codec = codec_for(name, page=page)
     else:
         return None
     return codec if codec.params == params else None

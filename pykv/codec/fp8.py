@@ -1,144 +1,115 @@
 """``fp8``: lossy, opt-in; bf16/fp16 KV stored as float8 e4m3 with one float32 scale per
-(vLLM block, layer, head, K or V).
+group of ``group`` consecutive values (64 by default).
 
-A payload is a run of pages, one per vLLM block of one KV tensor (``docs/format.md``): with
-vLLM 0.29+ (``LBHNC``) a page is ``[heads, tokens, 2 * head_dim]``, K's ``head_dim`` values
-then V's for each token, i.e. axes ``H N K D`` (``PageShape.order``). Each page's K and V of
-each head get their own scale ``amax / 448``, so one outlier token widens the scale of only
-its head and page (4 bytes per ~4 KiB of fp8 with 16 tokens of 128 values).
+Every KV layout vLLM uses (cross-layer pages included) keeps one token's ``head_dim`` values
+of one head's K or V contiguous, innermost. A group of 64 consecutive values therefore lies
+within one head's K or V of one token for ``head_dim`` 64, 128 or 256: the scale is per
+token, head and K/V, and the codec needs no knowledge of the layout. One outlier widens the
+scale of its group only.
 
-Stored bytes: ``pages x heads x 2`` float32 scales (little endian, in that order), then one
-e4m3 byte per value in the payload's own order. Their size is exact: anything else is refused.
-``quantize`` and ``dequantize`` are torch functions that run on any device (decoding is meant
-to happen on the GPU); ``Fp8Codec`` wraps them for byte buffers.
+Stored bytes: ``values / group`` float32 scales (little endian, in payload order), then one
+e4m3 byte per value in the payload's order. Their size is exact (``stored_length``):
+anything else is refused. ``quantize`` and ``dequantize`` are torch functions that run on
+any device and report bad input as a flag tensor, so a GPU caller reads it when the work is
+done instead of waiting for it (``pykv.connector.device_codec``); ``Fp8Codec`` wraps them
+for byte buffers (tools, tests, ``pykv bench``).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from pykv.codec.base import Buffer, Codec, CodecError, byte_view
 
-FORMAT_REVISION = 1
+FORMAT_REVISION = 2
 E4M3_MAX = 448.0
 SCALE_BYTES = 4
-_AXES = "HNKD"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_GROUP = 64
+MAX_GROUP = 4096
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+                "fp16": "float16"}
 
 
-@dataclass(frozen=True)
-class PageShape:
-    """What fp8 needs of the KV layout: one page's ``heads`` x ``tokens`` x K/V x ``head_dim``
-    values of ``dtype``, laid out in ``order`` (a permutation of ``HNKD``, outermost first)."""
-
-    heads: int
-    tokens: int
-    head_dim: int
-    dtype: str = "bfloat16"
-    order: str = "HNKD"
-
-    def __post_init__(self) -> None:
-        if sorted(self.order) != sorted(_AXES):
-            raise ValueError(f"order must be a permutation of {_AXES}, not {self.order!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"fp8 encodes {' or '.join(_DTYPES)} KV, not {self.dtype}")
-        if min(self.heads, self.tokens, self.head_dim) < 1:
-            raise ValueError("heads, tokens and head_dim must be positive")
-
-    @property
-    def values(self) -> int:
-        return self.heads * self.tokens * 2 * self.head_dim
-
-    @property
-    def page_bytes(self) -> int:
-        return self.values * 2
-
-    def dims(self) -> tuple[int, ...]:
-        """The page's axis sizes in memory order."""
-        size = {"H": self.heads, "N": self.tokens, "K": 2, "D": self.head_dim}
-        return tuple(size[axis] for axis in self.order)
-
-    def reduced(self) -> tuple[int, int]:
-        """The axes (counted from 1, after the page axis) a scale spans: tokens and head_dim."""
-        return 1 + self.order.index("N"), 1 + self.order.index("D")
+def kv_dtype_name(dtype: object) -> str | None:
+    """``bfloat16`` or ``float16`` for a KV cache dtype fp8 encodes (a torch dtype or vLLM's
+    name of it, e.g. ``torch.bfloat16`` or ``half``), else None."""
+    name = str(dtype).removeprefix("torch.").lower()
+    return _DTYPE_NAMES.get(name)
 
 
-def _scale_view(scales: torch.Tensor, page: PageShape) -> torch.Tensor:
-    """Stored scales ``[pages, H, K]`` as a tensor that broadcasts over pages in memory order."""
-    kept = [axis for axis in page.order if axis in "HK"]  # H and K in memory order
-    shaped = scales if kept == ["H", "K"] else scales.transpose(1, 2)
-    sizes = [scales.shape[0]] + [page.dims()[i] if axis in "HK" else 1 for i, axis in enumerate(page.order)]
-    return shaped.reshape(sizes)
-
-
-def quantize(values: torch.Tensor, page: PageShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes as uint8 in the payload's order, float32 scales ``[pages, H, 2]``) of
-    ``values``: a flat bf16/fp16 tensor of whole pages. ``CodecError`` for non-finite values."""
-    pages = values.numel() // page.values
-    x = values.reshape(pages, *page.dims()).float()
-    amax = x.abs().amax(dim=page.reduced(), keepdim=True)
-    if not bool(torch.isfinite(amax).all()):
-        raise CodecError("fp8", "the payload holds NaN or infinite values")
+def quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 codes as uint8 in the payload's order, float32 scales one per group, a 0-d bool
+    tensor: True if a value is NaN or infinite) of ``values``, a flat bf16/fp16 tensor of
+    whole groups, all on ``values``' device. Nothing waits for the device."""
+    x = values.reshape(-1, group).float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    bad = ~torch.isfinite(amax).all()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    codes = (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    stored = scale.squeeze(page.reduced())  # [pages, H, K] or [pages, K, H], as in memory
-    if page.order.index("K") < page.order.index("H"):
-        stored = stored.transpose(1, 2)
-    return codes.view(torch.uint8).reshape(-1), stored.contiguous()
+    codes = x.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).reshape(-1), scale.reshape(-1), bad
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, page: PageShape, *,
-               check: bool = True) -> torch.Tensor:
-    """The payload's values (flat, ``page.dtype``) from uint8 e4m3 ``codes`` and float32
-    ``scales [pages, H, 2]``, on their device. ``check``: refuse scales that are not finite,
-    positive and small enough for the dtype, and NaN codes (a device sync)."""
-    dtype = _DTYPES[page.dtype]
-    pages = scales.shape[0]
-    if check:
-        limit = torch.finfo(dtype).max / E4M3_MAX
-        if not bool(((scales > 0) & (scales <= limit)).all()):  # NaN compares False
-            raise CodecError("fp8", "a scale is not a finite positive number the dtype can hold")
-        if bool(((codes & 0x7F) == 0x7F).any()):
-            raise CodecError("fp8", "NaN codes (the encoder writes none)")
-    x = codes.view(torch.float8_e4m3fn).reshape(pages, *page.dims()).float()
-    return (x * _scale_view(scales, page)).to(dtype).reshape(-1)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, group: int) -> torch.Tensor:
+    """Write the values of uint8 e4m3 ``codes`` and float32 ``scales`` into ``out`` (flat,
+    bf16/fp16, ``codes.numel()`` values) on their device. Returns a 0-d bool tensor: True if a
+    scale is not a finite positive number the dtype can hold, or a code is NaN (the encoder
+    writes neither). Nothing waits for the device."""
+    limit = torch.finfo(out.dtype).max / E4M3_MAX
+    bad = ~((scales > 0) & (scales <= limit)).all()  # NaN compares False
+    bad |= ((codes & 0x7F) == 0x7F).any()
+    x = codes.view(torch.float8_e4m3fn).reshape(-1, group).float()
+    out.view(-1, group).copy_(x.mul_(scales.reshape(-1, 1)))
+    return bad
 
 
 class Fp8Codec(Codec):
-    """Lossy e4m3 codec for whole pages of ``page``; stored size = values + 8 bytes per page
-    and head."""
+    """Lossy e4m3 codec for payloads of ``dtype`` values in whole groups of ``group``; stored
+    size = one byte per value + 4 bytes per group."""
 
     name = "fp8"
 
-    def __init__(self, page: PageShape) -> None:
-        self.page = page
+    def __init__(self, dtype: str = "bfloat16", group: int = DEFAULT_GROUP) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"fp8 encodes {' or '.join(DTYPES)} KV, not {dtype}")
+        if not 1 <= group <= MAX_GROUP:
+            raise ValueError(f"fp8 group must be 1..{MAX_GROUP} values, not {group}")
+        self.dtype, self.group = dtype, group
 
     @property
     def params(self) -> str:
-        p = self.page
-        return (f"fp8:v{FORMAT_REVISION},e4m3,scale=block-layer-head-kv,dtype={p.dtype},heads={p.heads},"
-                f"tokens={p.tokens},head_dim={p.head_dim},order={p.order}")
+        return f"fp8:v{FORMAT_REVISION},e4m3,group={self.group},scale=f32,dtype={self.dtype}"
 
-    def _pages(self, payload_len: int) -> int:
-        if payload_len % self.page.page_bytes:
-            raise CodecError(self.name, f"a payload of {payload_len} bytes is not whole pages of "
-                                        f"{self.page.page_bytes} bytes")
-        return payload_len // self.page.page_bytes
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def groups(self, payload_len: int) -> int:
+        """How many groups a payload of ``payload_len`` bytes holds; ``CodecError`` unless whole."""
+        group_bytes = 2 * self.group
+        if payload_len % group_bytes:
+            raise CodecError(self.name, f"a payload of {payload_len} bytes is not whole groups of "
+                                        f"{group_bytes} bytes")
+        return payload_len // group_bytes
 
     def scale_bytes(self, payload_len: int) -> int:
-        return self._pages(payload_len) * self.page.heads * 2 * SCALE_BYTES
+        return self.groups(payload_len) * SCALE_BYTES
+
+    def stored_length(self, payload_len: int) -> int:
+        """The exact stored size of a payload of ``payload_len`` bytes."""
+        return self.scale_bytes(payload_len) + payload_len // 2
 
     def encoded_bound(self, payload_len: int) -> int:
-        return self.scale_bytes(payload_len) + payload_len // 2
+        return self.stored_length(payload_len)
 
     def encode(self, src: Buffer, out: Buffer | None = None) -> bytes | int:
         payload = byte_view(src)
         head = self.scale_bytes(len(payload))
-        values = _tensor(payload).view(_DTYPES[self.page.dtype])
-        codes, scales = quantize(values, self.page)
+        codes, scales, bad = quantize(_tensor(payload).view(self.torch_dtype), self.group)
+        if bool(bad):
+            raise CodecError(self.name, "the payload holds NaN or infinite values")
         total = head + codes.numel()
         target = bytearray(total) if out is None else byte_view(out, writable=True)
         if len(target) < total:
@@ -151,13 +122,14 @@ class Fp8Codec(Codec):
 
     def decode(self, src: Buffer, dst: Buffer) -> None:
         stored, target = byte_view(src), byte_view(dst, writable=True)
-        expected = self.encoded_bound(len(target))
+        expected = self.stored_length(len(target))
         if len(stored) != expected:
             raise CodecError(self.name, f"{len(stored)} stored bytes, a payload of {len(target)} "
                                         f"stores {expected}")
         if not len(target):
             return
-        decode_tensor(_tensor(stored), _tensor(target), self.page)
+        if bool(decode_tensor(_tensor(stored), _tensor(target), self)):
+            raise CodecError(self.name, "a scale is not a finite positive number the dtype can hold, or a code is NaN")
 
 
 def _tensor(view: memoryview) -> torch.Tensor:
@@ -169,9 +141,8 @@ def _tensor(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def decode_tensor(stored: torch.Tensor, out: torch.Tensor, page: PageShape, *, check: bool = True) -> None:
-    """Decode uint8 ``stored`` into uint8 ``out`` (the payload's bytes), both on one device
-    (CPU or GPU), sizes already checked by the caller (``Fp8Codec.decode`` does)."""
-    head = out.numel() // page.page_bytes * page.heads * 2 * SCALE_BYTES
-    scales = stored[:head].view(torch.float32).reshape(-1, page.heads, 2)
-    out.view(_DTYPES[page.dtype]).copy_(dequantize(stored[head:], scales, page, check=check))
+def decode_tensor(stored: torch.Tensor, out: torch.Tensor, codec: Fp8Codec) -> torch.Tensor:
+    """Decode uint8 ``stored`` into uint8 ``out`` (the payload's bytes), both on one device,
+    sizes already checked by the caller; returns ``dequantize``'s bad-input flag."""
+    head = codec.scale_bytes(out.numel())
+    return dequantize(stored[head:], stored[:head].view(torch.float32), out.view(codec.torch_dtype), codec.group)

@@ -9,19 +9,19 @@ CODEC_NAMES = ("none", "planes-zstd", "fp8")
 """Configuration names, in the order docs/codecs.md describes them."""
 
 
-def codec_for(name: str, *, page: object = None, threads: int = 1) -> Codec:
-    """The codec configured as ``name``. ``page`` (a ``pykv.codec.fp8.PageShape``) is what the
-    lossy ``fp8`` codec needs to know of the KV layout; ``threads`` only changes speed.
-    Raise ``UnknownCodecError`` (one line) for any other name or a missing ``page``."""
+def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, threads: int = 1) -> Codec:
+    """The codec configured as ``name``. ``dtype`` (``bfloat16`` or ``float16``) and ``group``
+    are what the lossy ``fp8`` codec needs to know of the KV; ``threads`` only changes speed.
+    Raise ``UnknownCodecError`` (one line) for any other name, or a dtype fp8 does not encode."""
     if name == "none":
         return IdentityCodec()
     if name == "planes-zstd":
         from pykv.codec.lossless import PlanesZstdCodec
         return PlanesZstdCodec(threads=threads)
     if name == "fp8":
-        from pykv.codec.fp8 import Fp8Codec, PageShape
-        if not isinstance(page, PageShape):
-            raise UnknownCodecError("codec 'fp8' needs the KV page shape (heads, tokens, head_dim, "
-                                    "dtype, order) of the engine")
-        return Fp8Codec(page)
+        from pykv.codec.fp8 import DEFAULT_GROUP, Fp8Codec
+        try:
+            return Fp8Codec(dtype, group or DEFAULT_GROUP)
+        except ValueError as exc:
+            raise UnknownCodecError(f"codec 'fp8': {exc}") from None
     raise UnknownCodecError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES)})")

@@ -121,6 +121,12 @@ class TorchCopier:
         """Called on the engine's thread when a job is submitted; synchronous copies need no marker."""
         return None
 
+    def copy_device_payload(self, task: CopyTask, *, to_slot: bool) -> object:
+        """Copy ``task`` between the KV blocks and a payload on the KV's own device (a device
+        codec's scratch), queued on the current stream; returns what must live until it ends."""
+        self._copy(task, to_slot=to_slot)
+        return None
+
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
         self._copy_each(tasks, done, to_slot=True)
 
@@ -275,12 +281,17 @@ class CudaCopier(TorchCopier):
         self.stats["h2d_queued_us"] += int((issuing - called) * 1e6)
         self._pending.put((tasks, dones, event, keep, (began, called)))
 
-    def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
+    def copy_device_payload(self, task: CopyTask, *, to_slot: bool) -> object:
+        """As ``TorchCopier``'s, with the batched op; the payload is written by device work queued
+        before the copy, so the copy reads it in stream order."""
+        return self._issue([task], to_slot=to_slot, source_in_order=True)
+
+    def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool, source_in_order: bool = False) -> object:
         """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.
 
         With the batched op: one driver call for the whole batch (its pointer tensors are kept
         alive until the batch's event completes). Loads read page-locked slots that no device
-        work writes, so their source may be read out of stream order.
+        work writes, so their source may be read out of stream order (not ``source_in_order``).
         """
         if self._batch_op is None:
             for task in tasks:
@@ -292,8 +303,8 @@ class CudaCopier(TorchCopier):
             return None
         pointers = tuple(torch.from_numpy(a) for a in (entries.src, entries.dst, entries.sizes))
         calling = time.perf_counter()
-        self._batch_op(*pointers, is_src_access_order_any=not to_slot)
-        if not to_slot:  # the op releases the GIL: its time includes taking it back
+        self._batch_op(*pointers, is_src_access_order_any=not (to_slot or source_in_order))
+        if not (to_slot or source_in_order):  # the op releases the GIL: its time includes taking it back
             self.stats["h2d_build_us"] += int((calling - building) * 1e6)
             self.stats["h2d_op_us"] += int((time.perf_counter() - calling) * 1e6)
         return pointers

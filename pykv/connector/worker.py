@@ -43,7 +43,8 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import engine_codec
+from pykv.connector.codecs import DEVICE_CODECS, engine_codec
+from pykv.connector.device_codec import CodedLoad, DeviceFp8
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -88,12 +89,12 @@ class PykvWorker(OffloadingWorker):
         self._stats_lock = threading.Lock()
         self._stats_in_flight, self._stats_due = -1, 0.0  # jobs at the last counter write, and the next one's time
         self.early_release = True  # whatever the world size: the scheduler counts every rank's write ends
-        codec = engine_codec(pykv)
+        codec = engine_codec(pykv, config.model.dtype)
         shape = EngineShape(namespace_for(config, rank=self.rank, codec=codec.params), slot_bytes(config), transient,
                             dram, self.rank, self.early_release, codec=codec.params)
         register, unregister = (cuda_host_register, cuda_host_unregister) if cuda else (None, None)
         self.store = BlockStore(pykv, shape, self, register=register, unregister=unregister)
-        self.codec_stage = None if codec.name == NONE else CodecStage(
+        self.codec_stage = None if codec.name in (NONE, *DEVICE_CODECS) else CodecStage(
             codec, shape.slot_bytes, threads=pykv.codec_worker_threads(), register=register, unregister=unregister)
         self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
@@ -102,6 +103,8 @@ class PykvWorker(OffloadingWorker):
         self._scratch_tensors = [] if self.codec_stage is None else [
             torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
+        self.device_codec = DeviceFp8(codec, self.copier, [self.layout.geometry(g).payload_length for g in range(
+            len(self.layout.groups))]) if codec.name in DEVICE_CODECS else None
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
                  type(self.copier).__name__, codec.params)
@@ -209,6 +212,8 @@ class PykvWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self.store.stop_io()
         self.copier.close()
+        if self.device_codec is not None:
+            self.device_codec.close()
         if self.codec_stage is not None:
             self._scratch_tensors.clear()
             self.codec_stage.close()
@@ -280,8 +285,12 @@ class PykvWorker(OffloadingWorker):
                          c.target.gpu_ids, c.target.skip, token=c, after=c.target.ready) for c in copies]
 
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        """The KV into the slots, then (with a codec) each payload encoded in its slot."""
+        """The KV into the slots, then (with a codec) each payload encoded in its slot; fp8 encodes
+        on the device and copies only the stored bytes."""
         stage = self.codec_stage
+        if self.device_codec is not None:
+            self.device_codec.store(self._tasks(copies), lambda task, ok, stored: done(task.token, ok, stored=stored))
+            return
         if stage is None:
             self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
             return
@@ -297,11 +306,17 @@ class PykvWorker(OffloadingWorker):
         self.copier.to_slots(self._tasks(copies), copied)
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own."""
+        """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own
+        (on the device for fp8, on the codec threads otherwise)."""
         raw = [c for c in copies if c.codec == NONE]
         if raw:
             self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
-        for copy in (c for c in copies if c.codec != NONE):
+        coded = [c for c in copies if c.codec != NONE]
+        if coded and self.device_codec is not None:
+            loads = [CodedLoad(task, task.token.decoded_length or 0, task.token.codec) for task in self._tasks(coded)]
+            self.device_codec.load(loads, lambda task, ok, failure: done(task.token, ok, failure=failure))
+            return
+        for copy in coded:
             if self.codec_stage is None:  # a coded block in a namespace of codec none: not one of ours
                 done(copy, False, failure=BlockFailure(Step.CHECK, detail="a coded block in a namespace of none"))
                 continue
