@@ -77,9 +77,10 @@ def gen(name: str, prompt: list[int], max_tokens: int = 8) -> dict:
     return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": max_tokens}
 
 
-def kv_digest(name: str, of: str, blocks: int) -> dict:
-    """Digests of the first ``blocks`` engine blocks of step ``of``'s request (in-process engines)."""
-    return {"op": "kv_digest", "name": name, "of": of, "blocks": blocks}
+def kv_digest(name: str, of: str, blocks: int, codec: str | None = None) -> dict:
+    """Digests of the first ``blocks`` engine blocks of step ``of``'s request (in-process engines);
+    ``codec``: of the KV that lossy codec gives back for them (``KVPages.digests``)."""
+    return {"op": "kv_digest", "name": name, "of": of, "blocks": blocks, **({"codec": codec} if codec else {})}
 
 
 def settle(work: Path, engine: str) -> dict:
