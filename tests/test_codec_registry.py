@@ -6,16 +6,22 @@ from __future__ import annotations
 import pytest
 
 from pykv.codec import CODEC_NAMES, CodecError, UnknownCodecError, codec_for
-from pykv.codec.fp8 import PageShape
 from pykv.errors import InputError
 
 
 def test_every_name_gives_its_codec_with_distinct_params():
-    page = PageShape(heads=8, tokens=16, head_dim=128)
-    codecs = [codec_for(name, page=page) for name in CODEC_NAMES]
+    codecs = [codec_for(name) for name in CODEC_NAMES]
     assert [c.name for c in codecs] == list(CODEC_NAMES)
     assert len({c.params for c in codecs}) == len(codecs)
     assert all(c.params.startswith(c.name) for c in codecs)
+
+
+def test_fp8_defaults_to_bfloat16_and_takes_its_dtype_and_group():
+    pytest.importorskip("torch")
+    assert codec_for("fp8").params == "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16"
+    codec = codec_for("fp8", dtype="float16", group=128)
+    assert codec.params == "fp8:v2,e4m3,group=128,scale=f32,dtype=float16"
+    assert codec.stored_length(2 * 256) == 256 + 2 * 4
 
 
 def test_unknown_names_are_refused_in_one_line():
@@ -26,9 +32,14 @@ def test_unknown_names_are_refused_in_one_line():
     assert isinstance(refused.value, InputError)
 
 
-def test_fp8_needs_the_page_shape():
-    with pytest.raises(UnknownCodecError, match="page shape"):
-        codec_for("fp8")
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn", "int8"])
+def test_a_dtype_fp8_does_not_encode_is_refused_in_one_line(dtype):
+    pytest.importorskip("torch")
+    with pytest.raises(UnknownCodecError) as refused:
+        codec_for("fp8", dtype=dtype)
+    message = str(refused.value)
+    assert "\n" not in message and "fp8" in message and dtype in message
+    assert isinstance(refused.value, InputError)
 
 
 def test_identity_stores_the_payload_and_checks_the_length():

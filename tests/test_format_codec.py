@@ -142,18 +142,54 @@ def test_decode_payload_restores_the_raw_payload_with_the_readers_codec():
 
 def test_unknown_and_fp8_codecs_decode_within_their_bounds():
     pytest.importorskip("torch")
+    from pykv.codec.fp8 import Fp8Codec
     header = decode_header(coded(UNKNOWN, bytes(unknown_bound(3000))))
     assert header.codec == UNKNOWN and header.payload_length == unknown_bound(3000)
-    fp8 = codec_from_params("fp8:v1,e4m3,scale=block-layer-head-kv,dtype=bfloat16,heads=2,tokens=4,head_dim=8,"
-                            "order=HNKD")
-    assert fp8 is not None
-    page = Geometry(tokens=4, segments=3, segment_bytes=fp8.page.page_bytes)
-    bound = fp8.encoded_bound(page.payload_length)
-    assert decode_header(coded(fp8.params, bytes(bound), page)).payload_length == bound
+    fp8 = codec_from_params(Fp8Codec("bfloat16").params)
+    assert isinstance(fp8, Fp8Codec) and (fp8.dtype, fp8.group) == ("bfloat16", 64)
+    assert fp8.params == "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16"
+    groups = Geometry(tokens=4, segments=3, segment_bytes=2 * 64 * 5)  # 15 groups of 128 bytes
+    bound = fp8.encoded_bound(groups.payload_length)
+    assert bound == groups.payload_length // 2 + 4 * 15
+    assert decode_header(coded(fp8.params, bytes(bound), groups)).payload_length == bound
     with pytest.raises(FormatError, match="exceeds"):
-        decode_header(with_stored_length(coded(fp8.params, bytes(bound), page), bound + 1))
-    with pytest.raises(FormatError, match="whole pages"):
-        decode_header(with_params(fp8.params.encode()))  # 3000 raw bytes: not pages of 256
+        decode_header(with_stored_length(coded(fp8.params, bytes(bound), groups), bound + 1))
+    with pytest.raises(FormatError, match="whole groups"):
+        decode_header(with_params(fp8.params.encode()))  # 3000 raw bytes: not groups of 128
+    fp16 = codec_from_params(Fp8Codec("float16", 8).params)  # 3000 bytes: 187.5 groups of 16
+    assert isinstance(fp16, Fp8Codec) and (fp16.dtype, fp16.group) == ("float16", 8)
+    with pytest.raises(FormatError, match="whole groups"):
+        decode_header(with_params(fp16.params.encode()))
+    fp16_25 = Fp8Codec("float16", 25).params  # 3000 bytes: 60 groups of 50
+    assert decode_header(with_params(fp16_25.encode())).codec == fp16_25
+
+
+@pytest.mark.parametrize("params", [
+    "fp8:v2,e4m3,group=0,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=abc,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=-64,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=064,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=99999,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,scale=f32,dtype=bfloat16",  # no group
+    "fp8:v2,e4m3,group=64,dtype=bfloat16",  # no scale
+    "fp8:v2,e4m3,group=64,scale=f32",  # no dtype
+    "fp8:v2,group=64,scale=f32,dtype=bfloat16",  # no e4m3
+    "fp8:v2,e4m3,group=64,scale=f32,dtype=float32",
+    "fp8:v2,e4m3,group=64,scale=f32,dtype=bf16",
+    "fp8:v2,e4m3,group=64,scale=f16,dtype=bfloat16",
+    "fp8:v1,e4m3,group=64,scale=f32,dtype=bfloat16",
+    "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16,extra=1",
+    "fp8:v2,e4m3,dtype=bfloat16,group=64,scale=f32",  # the right fields in another order
+    "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16,group=64",
+    "fp8",
+    "fp8:",
+    "fp8:v1,e4m3,scale=block-layer-head-kv,dtype=bfloat16,heads=2,tokens=4,head_dim=8,order=HNKD",  # v1
+])
+def test_fp8_params_that_are_not_exactly_a_codecs_are_not_built(params):
+    pytest.importorskip("torch")
+    assert codec_from_params(params) is None
+    assert decode_header(with_params(params.encode())).codec == params  # an unknown codec's bound
 
 
 # -- hostile headers ---------------------------------------------------------------------------
