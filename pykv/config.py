@@ -240,11 +240,12 @@ class PykvConfig:
                                       "auto: max(4, min(devices, half the host's cores)).",
                                       "int")
     codec: str = _key(_codec, "none", "How block payloads are stored: none (as they are), planes-zstd (lossless, "
-                      "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, half "
-                      "the bytes). Each codec is a namespace of its own. See docs/codecs.md.", "str")
+                      "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, opt-in: "
+                      "0.53 of the bytes, coded on the GPU, bf16/fp16 KV only). Each codec is a namespace of its "
+                      "own. See docs/codecs.md.", "str")
     codec_threads: int | None = _key(_threads_or_auto, "auto", "Threads that encode stores and decode loads "
-                                     "with a codec other than none (one scratch block each, plus 2). auto: half "
-                                     "the host's cores, 2 to 8.", "int")
+                                     "with planes-zstd (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
+                                     "half the host's cores, 2 to 8.", "int")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "
