@@ -1,4 +1,4 @@
-"""``fp8``: lossy, opt-in; bf16/fp16 KV stored as float8 e4m3 with one float32 scale per
+"""``fp8``: lossy, opt-in; bf16/fp16 KV stored as float8 e4m3 with one power-of-two scale per
 group of ``group`` consecutive values (64 by default).
 
 Every KV layout vLLM uses (cross-layer pages included) keeps one token's ``head_dim`` values
@@ -7,16 +7,23 @@ within one head's K or V of one token for ``head_dim`` 64, 128 or 256: the scale
 token, head and K/V, and the codec needs no knowledge of the layout. One outlier widens the
 scale of its group only.
 
-Stored bytes: ``values / group`` float32 scales (little endian, in payload order), then one
-e4m3 byte per value in the payload's order. Their size is exact (``stored_length``):
-anything else is refused. ``quantize`` and ``dequantize`` are torch functions that run on
-any device and report bad input as a flag tensor, so a GPU caller reads it when the work is
-done instead of waiting for it (``pykv.connector.device_codec``); ``Fp8Codec`` wraps them
-for byte buffers (tools, tests, ``pykv bench``).
+The scale is the smallest power of two ``2**k`` that brings the group's largest magnitude to
+at most 448 (e4m3's largest), stored as one byte ``k + 127`` (OCP's E8M0). Scaling by a power
+of two is exact, so the GPU and the CPU write the same bytes for the same KV (a float32 scale
+``amax / 448`` rounds differently on CUDA); e4m3's relative precision is the same in every
+binade, so only values near the bottom of a group's range lose to it.
+
+Stored bytes: ``values / group`` scale bytes (in payload order), then one e4m3 byte per value
+in the payload's order. Their size is exact (``stored_length``): anything else is refused.
+``quantize`` and ``dequantize`` are torch functions that run on any device and report bad input
+as a flag tensor, so a GPU caller reads it when the work is done instead of waiting for it
+(``pykv.connector.device_codec``); ``Fp8Codec`` wraps them for byte buffers (tools, tests,
+``pykv bench``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -25,7 +32,9 @@ from pykv.codec.base import Buffer, Codec, CodecError, byte_view
 
 FORMAT_REVISION = 2
 E4M3_MAX = 448.0
-SCALE_BYTES = 4
+SCALE_BYTES = 1
+SCALE_BIAS = 127
+MIN_EXPONENT, MAX_EXPONENT = -126, 126  # 2**k and 2**-k are both normal float32 numbers
 DEFAULT_GROUP = 64
 MAX_GROUP = 4096
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,34 +49,47 @@ def kv_dtype_name(dtype: object) -> str | None:
     return _DTYPE_NAMES.get(name)
 
 
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` as float32, exactly (built from its bits; exponents within
+    ``MIN_EXPONENT..MAX_EXPONENT``)."""
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def max_exponent(dtype: torch.dtype) -> int:
+    """The largest scale exponent whose 448 x 2**k the dtype holds (bf16: 119, fp16: 7)."""
+    return int(math.floor(math.log2(torch.finfo(dtype).max / E4M3_MAX)))
+
+
 def quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 codes as uint8 in the payload's order, float32 scales one per group, a 0-d bool
-    tensor: True if a value is NaN or infinite) of ``values``, a flat bf16/fp16 tensor of
+    """(e4m3 codes as uint8 in the payload's order, scale bytes ``k + 127`` one per group, a 0-d
+    bool tensor: True if a value is NaN or infinite) of ``values``, a flat bf16/fp16 tensor of
     whole groups, all on ``values``' device. Nothing waits for the device."""
     x = values.reshape(-1, group).float()
     amax = x.abs().amax(dim=1, keepdim=True)
     bad = ~torch.isfinite(amax).all()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    codes = x.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes.view(torch.uint8).reshape(-1), scale.reshape(-1), bad
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    k = (exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)).clamp_(MIN_EXPONENT, MAX_EXPONENT)
+    codes = x.mul_(_power_of_two(-k)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).reshape(-1), (k + SCALE_BIAS).to(torch.uint8).reshape(-1), bad
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, group: int) -> torch.Tensor:
-    """Write the values of uint8 e4m3 ``codes`` and float32 ``scales`` into ``out`` (flat,
+    """Write the values of uint8 e4m3 ``codes`` and scale bytes ``scales`` into ``out`` (flat,
     bf16/fp16, ``codes.numel()`` values) on their device. Returns a 0-d bool tensor: True if a
-    scale is not a finite positive number the dtype can hold, or a code is NaN (the encoder
-    writes neither). Nothing waits for the device."""
-    limit = torch.finfo(out.dtype).max / E4M3_MAX
-    bad = ~((scales > 0) & (scales <= limit)).all()  # NaN compares False
+    scale is outside ``MIN_EXPONENT..`` the dtype's ``max_exponent``, or a code is NaN (the
+    encoder writes neither). Nothing waits for the device."""
+    exponent = scales.to(torch.int32) - SCALE_BIAS
+    bad = ~((exponent >= MIN_EXPONENT) & (exponent <= max_exponent(out.dtype))).all()
     bad |= ((codes & 0x7F) == 0x7F).any()
+    scale = _power_of_two(exponent.clamp(MIN_EXPONENT, MAX_EXPONENT)).reshape(-1, 1)
     x = codes.view(torch.float8_e4m3fn).reshape(-1, group).float()
-    out.view(-1, group).copy_(x.mul_(scales.reshape(-1, 1)))
+    out.view(-1, group).copy_(x.mul_(scale))
     return bad
 
 
 class Fp8Codec(Codec):
     """Lossy e4m3 codec for payloads of ``dtype`` values in whole groups of ``group``; stored
-    size = one byte per value + 4 bytes per group."""
+    size = one byte per value + one per group."""
 
     name = "fp8"
 
@@ -80,7 +102,7 @@ class Fp8Codec(Codec):
 
     @property
     def params(self) -> str:
-        return f"fp8:v{FORMAT_REVISION},e4m3,group={self.group},scale=f32,dtype={self.dtype}"
+        return f"fp8:v{FORMAT_REVISION},e4m3,group={self.group},scale=e8m0,dtype={self.dtype}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,7 +151,7 @@ class Fp8Codec(Codec):
         if not len(target):
             return
         if bool(decode_tensor(_tensor(stored), _tensor(target), self)):
-            raise CodecError(self.name, "a scale is not a finite positive number the dtype can hold, or a code is NaN")
+            raise CodecError(self.name, "a scale the dtype cannot hold, or a NaN code (the encoder writes neither)")
 
 
 def _tensor(view: memoryview) -> torch.Tensor:
@@ -145,4 +167,4 @@ def decode_tensor(stored: torch.Tensor, out: torch.Tensor, codec: Fp8Codec) -> t
     """Decode uint8 ``stored`` into uint8 ``out`` (the payload's bytes), both on one device,
     sizes already checked by the caller; returns ``dequantize``'s bad-input flag."""
     head = codec.scale_bytes(out.numel())
-    return dequantize(stored[head:], stored[:head].view(torch.float32), out.view(codec.torch_dtype), codec.group)
+    return dequantize(stored[head:], stored[:head], out.view(codec.torch_dtype), codec.group)

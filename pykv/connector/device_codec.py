@@ -124,9 +124,9 @@ class DeviceFp8:
             raw = self._raw[:task.payload.numel()]
             keep = self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=True)
             codes, scales, bad = quantize(raw.view(self.codec.torch_dtype), self.codec.group)
-            head = scales.numel() * 4
+            head = scales.numel()  # one byte each
             slot = task.payload.view(torch.uint8)
-            slot[:head].copy_(scales.view(torch.uint8), non_blocking=self.cuda)
+            slot[:head].copy_(scales, non_blocking=self.cuda)
             slot[head:head + codes.numel()].copy_(codes, non_blocking=self.cuda)
             return bad, head + codes.numel(), (keep, codes, scales)
         load: CodedLoad = work.item
