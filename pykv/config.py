@@ -190,6 +190,7 @@ per thread); above it one thread per device while the host has the cores (docs/c
 DRAM_POLICIES = tuple(EVICTION_POLICIES)
 """``dram_policy``'s choices."""
 VERIFY_MODES = ("full", "header")
+CODEC_DECODERS = ("auto", "cpu", "gpu")
 """``verify``'s choices: header and payload checksum, or header only."""
 
 
@@ -241,11 +242,14 @@ class PykvConfig:
                                       "int")
     codec: str = _key(_codec, "none", "How block payloads are stored: none (as they are), planes-zstd (lossless, "
                       "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, opt-in: "
-                      "0.53 of the bytes, coded on the GPU, bf16/fp16 KV only). Each codec is a namespace of its "
+                      "0.51 of the bytes, coded on the GPU, bf16/fp16 KV only). Each codec is a namespace of its "
                       "own. See docs/codecs.md.", "str")
     codec_threads: int | None = _key(_threads_or_auto, "auto", "Threads that encode stores and decode loads "
                                      "with planes-zstd (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
                                      "half the host's cores, 2 to 8.", "int")
+    codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads are decoded: cpu (the "
+                             "codec threads), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
+                             "or auto (gpu where nvCOMP is installed and passes its start check, else cpu).", "str")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "

@@ -104,7 +104,17 @@ class PlanesZstdCodec(Codec):
 
     def decode(self, src: Buffer, dst: Buffer) -> None:
         stored, target = byte_view(src), byte_view(dst, writable=True)
-        chunks = self._chunks(len(target))
+        jobs = self.plane_spans(stored, len(target))
+        out = np.frombuffer(target, dtype=np.uint8)
+        self._map(lambda job: self._decode_chunk(stored, out, *job), jobs)
+
+    def plane_spans(self, stored: Buffer, payload_len: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """``(start, size, [(position, length) of each plane])`` of every chunk of a payload of
+        ``payload_len`` bytes stored as ``stored``: its table read and checked (a plane's stored
+        length equal to the plane's is raw, a smaller one a zstd frame); ``CodecError`` for a
+        table that does not account for exactly the stored bytes. The GPU decoder reads it too."""
+        stored = byte_view(stored)
+        chunks = self._chunks(payload_len)
         table = self._table_bytes(len(chunks))
         if len(stored) < table:
             raise CodecError(self.name, f"{len(stored)} stored bytes cannot hold the {table}-byte table")
@@ -123,8 +133,17 @@ class PlanesZstdCodec(Codec):
             jobs.append((start, size, spans))
         if position != len(stored):
             raise CodecError(self.name, f"table accounts for {position} bytes, {len(stored)} stored")
-        out = np.frombuffer(target, dtype=np.uint8)
-        self._map(lambda job: self._decode_chunk(stored, out, *job), jobs)
+        return jobs
+
+    def check_frame(self, frame: Buffer, plane_len: int) -> None:
+        """``CodecError`` unless ``frame`` is a zstd frame header declaring exactly ``plane_len``
+        bytes (read before any byte of it is decoded, here or on the GPU)."""
+        try:
+            declared = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as error:
+            raise CodecError(self.name, f"bad zstd frame header: {error}") from None
+        if declared != plane_len:
+            raise CodecError(self.name, f"zstd frame declares {declared} bytes, the plane has {plane_len}")
 
     def _decode_chunk(self, stored: memoryview, out: np.ndarray, start: int, size: int,
                       spans: list[tuple[int, int]]) -> None:
@@ -142,12 +161,7 @@ class PlanesZstdCodec(Codec):
 
     def _inflate(self, frame: memoryview, into: np.ndarray) -> None:
         """Decode one zstd frame declaring exactly ``len(into)`` bytes into ``into``."""
-        try:
-            declared = zstandard.frame_content_size(frame)
-        except zstandard.ZstdError as error:
-            raise CodecError(self.name, f"bad zstd frame header: {error}") from None
-        if declared != len(into):
-            raise CodecError(self.name, f"zstd frame declares {declared} bytes, the plane has {len(into)}")
+        self.check_frame(frame, len(into))
         decompressor = getattr(self._contexts, "decompressor", None)
         if decompressor is None:
             decompressor = self._contexts.decompressor = zstandard.ZstdDecompressor()

@@ -1,16 +1,18 @@
-"""``fp8`` in the engine: blocks quantized and dequantized on the KV cache's own device.
+"""Codecs on the KV cache's own device: the machinery (``DeviceCodec``) and ``fp8`` (``DeviceFp8``).
 
-A store gathers the block's pages into a payload on the device, quantizes it there and copies
-the scales and codes (about half the bytes) into the staging slot. A load copies the stored
-bytes to the device, dequantizes them into the payload and copies its pages to the KV cache
-blocks. A load never changes the slot, so a DRAM-tier slot serves every later hit.
+``fp8``: a store gathers the block's pages into a payload on the device, quantizes it there and
+copies the scales and codes (about half the bytes) into the staging slot; a load copies the
+stored bytes to the device, dequantizes them into the payload and copies its pages to the KV
+cache blocks. ``planes-zstd`` decodes loads on the GPU the same way (``device_zstd``). A load
+never changes the slot, so a DRAM-tier slot serves every later hit.
 
 On CUDA one thread issues every block's work on one stream, in order, so the device scratch
 (one payload, one stored block) is reused in stream order and nothing waits for the device
 while issuing; a poller thread waits for each block's event, then reads the block's bad-input
-flag, a page-locked byte the device wrote: NaN or infinite KV fails a store, scales or codes
-the encoder never writes fail a load (``Step.CHECK``: a miss, recomputed and quarantined).
-On the CPU platform the same functions run on the caller's thread.
+flag, a page-locked byte the device wrote: NaN or infinite KV fails a store, bytes the encoder
+never writes fail a load (``Step.CHECK``: a miss, recomputed and quarantined), as does a
+``CodecError`` found on the host before any device work. On the CPU platform (and in tests)
+the same steps run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from pykv.codec.base import CodecError
 from pykv.codec.fp8 import Fp8Codec, decode_tensor, quantize
 from pykv.errors import InputError
 from pykv.failures import BlockFailure, Step
@@ -32,10 +35,13 @@ from pykv.connector.copier import CopyTask, TorchCopier
 log = logging.getLogger(__name__)
 
 StoreDone = Callable[[CopyTask, bool, "int | None"], None]
-"""``done(task, ok, stored)``: ``stored`` bytes of codes and scales at the start of the slot's payload."""
+"""``done(task, ok, stored)``: ``stored`` bytes of the coded payload at the start of the slot's payload."""
 LoadDone = Callable[[CopyTask, bool, "BlockFailure | None"], None]
 FLAGS = 64
 """Blocks in flight on the device at most (each holds one page-locked flag byte until it is read)."""
+Issued = tuple[torch.Tensor, "int | None", object]
+"""What a block's device work left: its bad-input flag, a store's stored length, what must live
+until the stream passes it."""
 
 
 @dataclass
@@ -54,23 +60,23 @@ class _Work:
     item: CopyTask | CodedLoad
     done: Callable
 
+    @property
+    def task(self) -> CopyTask:
+        return self.item if self.store else self.item.task
 
-class DeviceFp8:
-    """Encodes stores and decodes loads of ``codec`` on the device of ``copier``'s KV tensors;
-    ``payload_lengths``: the raw payload length of each KV group's storage blocks."""
 
-    def __init__(self, codec: Fp8Codec, copier: TorchCopier, payload_lengths: Sequence[int], *,
-                 streams: bool | None = None) -> None:
-        for length in payload_lengths:
-            if length % (2 * codec.group):
-                raise InputError(f"codec fp8: a storage block of {length} bytes is not whole groups of "
-                                 f"{codec.group} values; use codec none or planes-zstd for this model")
-        self.codec, self.copier = codec, copier
-        self.params = codec.params
+class DeviceCodec:
+    """Runs one codec's block work on the device of ``copier``'s KV tensors. Subclasses give
+    ``_encode`` (stores; a decode-only codec leaves stores to the codec threads), ``_decode``
+    and ``_refusal``; ``payload`` is the device scratch of the largest raw payload."""
+
+    name = "codec"
+    encodes = True  # False: stores are encoded on the codec threads, only loads come here
+
+    def __init__(self, params: str, copier: TorchCopier, largest_payload: int, *, streams: bool | None = None) -> None:
+        self.params, self.copier = params, copier
         self.device = copier.tensors[0].device
-        largest = max(payload_lengths, default=0)
-        self._raw = torch.empty(largest, dtype=torch.int8, device=self.device)
-        self._stored = torch.empty(codec.stored_length(largest), dtype=torch.uint8, device=self.device)
+        self.payload = torch.empty(largest_payload, dtype=torch.int8, device=self.device)
         self._lock = threading.Lock()  # the CPU platform: callers share the scratch
         self.cuda = self.device.type == "cuda" if streams is None else streams  # (tests: fake streams on the CPU)
         if self.cuda:
@@ -80,8 +86,8 @@ class DeviceFp8:
             self._next_flag = 0
             self._queued: queue.Queue = queue.Queue()
             self._pending: queue.Queue = queue.Queue()
-            self._threads = [threading.Thread(target=target, name=name, daemon=True)
-                             for name, target in (("pykv-fp8-issue", self._issue_queued), ("pykv-fp8-events", self._poll))]
+            self._threads = [threading.Thread(target=target, name=f"pykv-{self.name}-{role}", daemon=True)
+                             for role, target in (("issue", self._issue_queued), ("events", self._poll))]
             for thread in self._threads:
                 thread.start()
 
@@ -106,58 +112,51 @@ class DeviceFp8:
             for thread in self._threads:
                 thread.join(timeout)
 
-    # -- one block ---------------------------------------------------------------------------------
+    # -- a codec's steps ---------------------------------------------------------------------------
     def _refusal(self, load: CodedLoad) -> str | None:
+        """Why this load cannot be one of ours (checked before any device work), or None."""
         if load.params != self.params:
             return f"a block of codec {load.params}, this engine's is {self.params}"
-        if not 0 < load.raw_length <= self._raw.numel() or load.raw_length % (2 * self.codec.group):
+        if not 0 < load.raw_length <= self.payload.numel():
             return f"a coded block of {load.raw_length} raw bytes"
-        if load.task.payload.numel() != self.codec.stored_length(load.raw_length):
-            return f"{load.task.payload.numel()} stored bytes for {load.raw_length} raw"
         return None
 
-    def _run(self, work: _Work) -> tuple[torch.Tensor, int | None, object]:
-        """Queue ``work`` on the current stream: (its bad-input flag, the stored length of a store,
-        what must live until the stream passes it)."""
-        if work.store:
-            task = work.item
-            raw = self._raw[:task.payload.numel()]
-            keep = self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=True)
-            codes, scales, bad = quantize(raw.view(self.codec.torch_dtype), self.codec.group)
-            head = scales.numel()  # one byte each
-            slot = task.payload.view(torch.uint8)
-            slot[:head].copy_(scales, non_blocking=self.cuda)
-            slot[head:head + codes.numel()].copy_(codes, non_blocking=self.cuda)
-            return bad, head + codes.numel(), (keep, codes, scales)
-        load: CodedLoad = work.item
+    def _encode(self, task: CopyTask) -> Issued:
+        raise NotImplementedError(f"{self.name} encodes on the codec threads")
+
+    def _decode(self, load: CodedLoad) -> Issued:
+        raise NotImplementedError
+
+    def _into_kv(self, load: CodedLoad) -> object:
+        """The decoded payload's pages into the load's KV blocks (after the decode, in stream order)."""
         task = load.task
-        stored = self._stored[:task.payload.numel()]
-        stored.copy_(task.payload.view(torch.uint8), non_blocking=self.cuda)
-        raw = self._raw[:load.raw_length]
-        bad = decode_tensor(stored, raw.view(torch.uint8), self.codec)
-        keep = self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=False)
-        return bad, None, keep
+        raw = self.payload[:load.raw_length]
+        return self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=False)
 
-    @staticmethod
-    def _finish(work: _Work, bad: bool, stored: int | None) -> None:
-        task = work.item if work.store else work.item.task
+    # -- ending a block ----------------------------------------------------------------------------
+    def _run(self, work: _Work) -> Issued:
+        return self._encode(work.item) if work.store else self._decode(work.item)
+
+    def _finish(self, work: _Work, bad: bool, stored: int | None) -> None:
         if not work.store:
-            work.done(task, not bad, BlockFailure(Step.CHECK, detail="fp8: a scale or code the encoder never "
-                                                                     "writes") if bad else None)
+            failure = BlockFailure(Step.CHECK, detail=f"{self.name}: stored bytes the encoder never writes")
+            work.done(work.task, not bad, failure if bad else None)
         elif bad:
-            log.warning("pykv: a block's KV holds NaN or infinite values; not stored (codec fp8)")
-            work.done(task, False, None)
+            log.warning("pykv: a block's KV holds NaN or infinite values; not stored (codec %s)", self.name)
+            work.done(work.task, False, None)
         else:
-            work.done(task, True, stored)
+            work.done(work.task, True, stored)
 
-    @staticmethod
-    def _fail(work: _Work) -> None:
-        log.exception("pykv: fp8 %s on the device failed", "encoding" if work.store else "decoding")
-        task = work.item if work.store else work.item.task
+    def _fail(self, work: _Work, error: Exception) -> None:
+        if isinstance(error, CodecError) and not work.store:
+            work.done(work.task, False, BlockFailure(Step.CHECK, detail=str(error)))
+            return
+        log.error("pykv: %s %s on the device failed: %s", self.name, "encoding" if work.store else "decoding",
+                  error, exc_info=error)
         if work.store:
-            work.done(task, False, None)
+            work.done(work.task, False, None)
         else:
-            work.done(task, False, BlockFailure(Step.COPY, detail="fp8 decoding on the device failed"))
+            work.done(work.task, False, BlockFailure(Step.COPY, detail=f"{self.name} decoding on the device failed"))
 
     def _submit(self, work: _Work) -> None:
         if self.cuda:
@@ -167,8 +166,8 @@ class DeviceFp8:
             with self._lock:
                 bad, stored, _ = self._run(work)
                 failed = bool(bad)
-        except Exception:  # noqa: BLE001 - a failed block, not a failed engine
-            self._fail(work)
+        except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
+            self._fail(work, error)
             return
         self._finish(work, failed, stored)
 
@@ -182,10 +181,9 @@ class DeviceFp8:
                 return
             self._free_flags.acquire()
             index, self._next_flag = self._next_flag, (self._next_flag + 1) % FLAGS
-            task = work.item if work.store else work.item.task
             try:
-                if task.after is not None:
-                    self._stream.wait_event(task.after)
+                if work.task.after is not None:
+                    self._stream.wait_event(work.task.after)
                 else:
                     self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
@@ -193,9 +191,9 @@ class DeviceFp8:
                     self._flags[index].copy_(bad, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-            except Exception:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001
                 self._free_flags.release()
-                self._fail(work)
+                self._fail(work, error)
                 continue
             self._pending.put((work, index, stored, event, keep))
 
@@ -208,9 +206,51 @@ class DeviceFp8:
             try:
                 event.synchronize()
                 bad = bool(self._flags[index])
-            except Exception:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001
                 self._free_flags.release()
-                self._fail(work)
+                self._fail(work, error)
                 continue
             self._free_flags.release()
             self._finish(work, bad, stored)
+
+
+class DeviceFp8(DeviceCodec):
+    """``fp8`` stores and loads on the KV's device; ``payload_lengths``: the raw payload length of
+    each KV group's storage blocks (whole groups of the codec, else ``InputError`` at start)."""
+
+    name = "fp8"
+
+    def __init__(self, codec: Fp8Codec, copier: TorchCopier, payload_lengths: Sequence[int], *,
+                 streams: bool | None = None) -> None:
+        for length in payload_lengths:
+            if length % (2 * codec.group):
+                raise InputError(f"codec fp8: a storage block of {length} bytes is not whole groups of "
+                                 f"{codec.group} values; use codec none or planes-zstd for this model")
+        largest = max(payload_lengths, default=0)
+        super().__init__(codec.params, copier, largest, streams=streams)
+        self.codec = codec
+        self._stored = torch.empty(codec.stored_length(largest), dtype=torch.uint8, device=self.device)
+
+    def _refusal(self, load: CodedLoad) -> str | None:
+        refused = super()._refusal(load)
+        if refused is None and load.raw_length % (2 * self.codec.group):
+            return f"a coded block of {load.raw_length} raw bytes"
+        if refused is None and load.task.payload.numel() != self.codec.stored_length(load.raw_length):
+            return f"{load.task.payload.numel()} stored bytes for {load.raw_length} raw"
+        return refused
+
+    def _encode(self, task: CopyTask) -> Issued:
+        raw = self.payload[:task.payload.numel()]
+        keep = self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=True)
+        codes, scales, bad = quantize(raw.view(self.codec.torch_dtype), self.codec.group)
+        head = scales.numel()  # one byte each
+        slot = task.payload.view(torch.uint8)
+        slot[:head].copy_(scales, non_blocking=self.cuda)
+        slot[head:head + codes.numel()].copy_(codes, non_blocking=self.cuda)
+        return bad, head + codes.numel(), (keep, codes, scales)
+
+    def _decode(self, load: CodedLoad) -> Issued:
+        stored = self._stored[:load.task.payload.numel()]
+        stored.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
+        bad = decode_tensor(stored, self.payload[:load.raw_length].view(torch.uint8), self.codec)
+        return bad, None, self._into_kv(load)

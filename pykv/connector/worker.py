@@ -43,8 +43,8 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import DEVICE_CODECS, engine_codec
-from pykv.connector.device_codec import CodedLoad, DeviceFp8
+from pykv.connector.codecs import DEVICE_CODECS, device_codec_for, engine_codec
+from pykv.connector.device_codec import CodedLoad
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -103,8 +103,8 @@ class PykvWorker(OffloadingWorker):
         self._scratch_tensors = [] if self.codec_stage is None else [
             torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
-        self.device_codec = DeviceFp8(codec, self.copier, [self.layout.geometry(g).payload_length for g in range(
-            len(self.layout.groups))]) if codec.name in DEVICE_CODECS else None
+        self.device_codec = device_codec_for(codec, pykv, self.copier, [
+            self.layout.geometry(g).payload_length for g in range(len(self.layout.groups))])
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
                  type(self.copier).__name__, codec.params)
@@ -288,7 +288,7 @@ class PykvWorker(OffloadingWorker):
         """The KV into the slots, then (with a codec) each payload encoded in its slot; fp8 encodes
         on the device and copies only the stored bytes."""
         stage = self.codec_stage
-        if self.device_codec is not None:
+        if self.device_codec is not None and self.device_codec.encodes:
             self.device_codec.store(self._tasks(copies), lambda task, ok, stored: done(task.token, ok, stored=stored))
             return
         if stage is None:

@@ -1,0 +1,238 @@
+"""``DevicePlanesZstd`` (pykv/connector/device_zstd.py) on CPU KV tensors with the host frame
+decoder standing in for nvCOMP: a load writes exactly the block's payload into exactly its KV
+rows (lossless) and never changes the slot; what the CPU decoder refuses (table, frame headers,
+frames) is a ``Step.CHECK`` failure before any KV is written; a frame decoder's bad flag is one
+too; the stream path ends each block once; ``device_codec_for`` picks the decoder as
+``codec_decode`` says.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import pytest
+import zstandard
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
+
+from pykv.codec.lossless import PlanesZstdCodec  # noqa: E402
+from pykv.config import PykvConfig  # noqa: E402
+from pykv.connector.codecs import device_codec_for  # noqa: E402
+from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
+from pykv.connector.device_codec import CodedLoad, DeviceFp8  # noqa: E402
+from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames  # noqa: E402
+from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
+from pykv.codec import codec_for  # noqa: E402
+from pykv.errors import InputError  # noqa: E402
+from pykv.failures import Step  # noqa: E402
+
+BPC = 2
+NUM_BLOCKS = 16
+PAGE = 4096
+LAYOUT = BlockLayout(BPC, 64, ((RefPage(0, PAGE), RefPage(1, PAGE)),))
+RAW = 2 * BPC * PAGE
+CODEC = PlanesZstdCodec(chunk=3000)  # several chunks, the last one shorter
+
+
+def kv_tensors(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(NUM_BLOCKS, PAGE // 2, generator=generator) * 0.05).to(torch.bfloat16).view(torch.int8)
+            for _ in range(2)]
+
+
+def payload_of(tensors, ids) -> bytes:
+    slot = torch.zeros(RAW, dtype=torch.int8)
+    TorchCopier(tensors, LAYOUT).to_slots([CopyTask(slot, 0, np.asarray(ids), 0)], lambda t, ok: None)
+    return slot.numpy().tobytes()
+
+
+class Ends:
+    def __init__(self) -> None:
+        self.calls, self.cond = [], threading.Condition()
+
+    def __call__(self, task, ok, failure) -> None:
+        with self.cond:
+            self.calls.append((task, ok, failure))
+            self.cond.notify_all()
+
+    def wait(self, count: int) -> list:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.calls) >= count, timeout=10), self.calls
+            return list(self.calls)
+
+
+def decoder(tensors, frames=None, **kwargs) -> DevicePlanesZstd:
+    return DevicePlanesZstd(CODEC, TorchCopier(tensors, LAYOUT), RAW, frames or HostFrames(CODEC), **kwargs)
+
+
+def load(device, stored: bytes, ids, raw=RAW, params=CODEC.params, skip=0):
+    slot = torch.frombuffer(bytearray(stored), dtype=torch.int8)
+    ends = Ends()
+    device.load([CodedLoad(CopyTask(slot, 0, np.asarray(ids), skip), raw, params)], ends)
+    [(_, ok, failure)] = ends.wait(1)
+    return ok, failure, slot
+
+
+@pytest.fixture
+def tensors():
+    return kv_tensors()
+
+
+def test_the_stored_block_has_frames_and_raw_planes():
+    stored = CODEC.encode(payload_of(kv_tensors(1), [0, 1]))
+    spans = CODEC.plane_spans(stored, RAW)
+    kinds = {length == size // 2 for _, size, chunk in spans for _, length in chunk}
+    assert kinds == {True, False} and len(spans) == 6  # raw planes and zstd frames, 5 whole chunks and a short one
+
+
+def test_a_load_writes_the_payload_bit_exact_into_the_blocks_rows_only(tensors):
+    source = kv_tensors(1)
+    payload = payload_of(source, [2, 3])
+    stored = CODEC.encode(payload)
+    before = [t.clone() for t in tensors]
+    ok, failure, slot = load(decoder(tensors), stored, [7, 12])
+    assert ok and failure is None
+    assert slot.numpy().tobytes() == stored
+    assert payload_of(tensors, [7, 12]) == payload
+    changed = [i for i in range(NUM_BLOCKS) if not torch.equal(tensors[0][i], before[0][i])]
+    assert changed == [7, 12]
+
+
+def test_a_load_after_a_prefix_hit_writes_only_the_uncovered_sub_block(tensors):
+    source = kv_tensors(2)
+    stored = CODEC.encode(payload_of(source, [0, 1]))
+    ok, _, _ = load(decoder(tensors), stored, [4], skip=1)
+    assert ok and torch.equal(tensors[0][4], source[0][1]) and torch.equal(tensors[1][4], source[1][1])
+
+
+def _table_entry(stored: bytes, index: int, value: int) -> bytes:
+    out = bytearray(stored)
+    struct.pack_into("<I", out, 4 * index, value)
+    return bytes(out)
+
+
+def _first_frame(stored: bytes) -> tuple[int, int]:
+    for _, size, chunk in CODEC.plane_spans(stored, RAW):
+        for position, length in chunk:
+            if length < size // 2:
+                return position, length
+    raise AssertionError("no frame")
+
+
+def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
+    raw, params = RAW, CODEC.params
+    position, length = _first_frame(stored)
+    if case == "table-short":
+        stored = _table_entry(stored, 0, 1)
+    elif case == "table-zero":
+        stored = _table_entry(stored, 1, 0)
+    elif case == "table-over-plane":
+        stored = _table_entry(stored, 0, 1501)
+    elif case == "trailing-byte":
+        stored = stored + b"\0"
+    elif case == "frame-declares-other-size":  # a frame of 1,499 bytes where the plane has 1,500
+        frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(1499))
+        assert len(frame) <= length
+        out = bytearray(stored)
+        out[position:position + length] = frame + bytes(length - len(frame))
+        stored = bytes(out)
+    elif case == "frame-corrupt":
+        out = bytearray(stored)
+        out[position + length - 3:position + length] = b"\xff\xff\xff"
+        stored = bytes(out)
+    elif case == "other-codec":
+        params = PlanesZstdCodec(chunk=1 << 20).params
+    elif case == "raw-odd":
+        raw = RAW - 1
+    elif case == "raw-too-large":
+        raw = 2 * RAW
+    elif case == "raw-zero":
+        raw = 0
+    return stored, raw, params
+
+
+@pytest.mark.parametrize("case", ["table-short", "table-zero", "table-over-plane", "trailing-byte",
+                                  "frame-declares-other-size", "frame-corrupt", "other-codec", "raw-odd",
+                                  "raw-too-large", "raw-zero"])
+def test_what_the_cpu_decoder_refuses_is_a_check_failure(tensors, case):
+    stored, raw, params = hostile(case, CODEC.encode(payload_of(kv_tensors(3), [0, 1])))
+    if case not in ("other-codec", "raw-odd", "raw-too-large", "raw-zero"):
+        with pytest.raises(Exception):
+            CODEC.decode_bytes(stored, raw)  # the CPU decoder refuses it too
+    before = [t.clone() for t in tensors]
+    ok, failure, _ = load(decoder(tensors), stored, [3, 4], raw=raw, params=params)
+    assert not ok and failure.step is Step.CHECK, failure
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+class FlaggingFrames(HostFrames):
+    def decode(self, frames, outputs):
+        super().decode(frames, outputs)
+        return torch.ones((), dtype=torch.bool)
+
+
+def test_a_frame_decoders_bad_flag_fails_the_load(tensors):
+    stored = CODEC.encode(payload_of(kv_tensors(4), [0, 1]))
+    ok, failure, _ = load(decoder(tensors, FlaggingFrames(CODEC)), stored, [3, 4])
+    assert not ok and failure.step is Step.CHECK
+
+
+class WrongFrames(HostFrames):
+    def decode(self, frames, outputs):
+        for out in outputs:
+            out.fill_(7)
+        return torch.zeros((), dtype=torch.bool)
+
+
+def test_the_start_check_refuses_a_decoder_that_writes_wrong_bytes(tensors):
+    decoder(tensors).self_test()  # the host decoder passes
+    with pytest.raises(InputError, match="start check") as refused:
+        decoder(tensors, WrongFrames(CODEC)).self_test()
+    assert "\n" not in str(refused.value)
+
+
+def test_the_stream_path_ends_every_load_once_bit_exact(tensors, fake_cuda):
+    source = kv_tensors(5)
+    stored = CODEC.encode(payload_of(source, [0, 1]))
+    device = decoder(tensors, streams=True)
+    ends = Ends()
+    for i in range(70):
+        bad = hostile("frame-corrupt", stored)[0] if i % 10 == 9 else stored
+        slot = torch.frombuffer(bytearray(bad), dtype=torch.int8)
+        device.load([CodedLoad(CopyTask(slot, 0, np.asarray([2 * (i % 7), 2 * (i % 7) + 1]), 0, token=i), RAW,
+                               CODEC.params)], ends)
+    calls = ends.wait(70)
+    device.close(timeout=5)
+    assert sorted(task.token for task, _, _ in calls) == list(range(70))
+    assert {task.token for task, ok, _ in calls if not ok} == {i for i in range(70) if i % 10 == 9}
+    assert payload_of(tensors, [2, 3]) == payload_of(source, [0, 1])
+    assert not any(t.is_alive() for t in device._threads)
+
+
+def config(**keys) -> PykvConfig:
+    return PykvConfig.from_extra_config({"root": "/r", **keys})
+
+
+def test_device_codec_for_follows_codec_decode_on_the_cpu_platform(tensors):
+    copier = TorchCopier(tensors, LAYOUT)
+    zstd = codec_for("planes-zstd")
+    assert device_codec_for(zstd, config(codec="planes-zstd"), copier, [RAW]) is None  # auto: no GPU
+    assert device_codec_for(zstd, config(codec="planes-zstd", codec_decode="cpu"), copier, [RAW]) is None
+    with pytest.raises(InputError, match="codec_decode: gpu") as refused:
+        device_codec_for(zstd, config(codec="planes-zstd", codec_decode="gpu"), copier, [RAW])
+    assert "\n" not in str(refused.value)
+    assert isinstance(device_codec_for(codec_for("fp8"), config(codec="fp8"), copier, [RAW]), DeviceFp8)
+    assert device_codec_for(codec_for("none"), config(), copier, [RAW]) is None
+
+
+def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", None)  # import fails as where it is not installed
+    with pytest.raises(InputError, match="nvidia-nvcomp") as refused:
+        NvcompFrames(torch.device("cuda", 0), None)
+    assert "\n" not in str(refused.value)
