@@ -1,6 +1,6 @@
 """Probe: can nvCOMP decode ``planes-zstd``'s frames on the GPU, and how fast? (H200 host, issue 38)
 
-Installs the carried nvCOMP wheels (``--wheels``, default ``.device/nvcomp``) into a private
+Installs the carried nvCOMP wheels (``--wheels``: ``.device/nvcomp`` or ``/tmp/pykv-device/nvcomp``) into a private
 folder, encodes dummy-weight-like bf16 KV blocks (29.4 MB each, the 3B shape) with
 ``planes-zstd`` on the CPU, copies the stored bytes to the GPU and decodes every zstd frame of
 a batch of blocks in one nvCOMP call (``BitstreamKind.RAW``: standard frames), then merges the
@@ -60,13 +60,15 @@ def frames_of(stored: bytes, codec: PlanesZstdCodec, payload_len: int) -> list[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheels", default=".device/nvcomp")
+    parser.add_argument("--wheels", default=None, help="nvCOMP wheels (default .device/nvcomp, else /tmp/pykv-device/nvcomp)")
     parser.add_argument("--site", default="/tmp/nvcomp-site")
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record: dict = {"kind": "nvcomp_probe", "blocks": args.blocks, "block_bytes": BLOCK}
-    install(args.wheels, args.site)
+    wheels = args.wheels or next((d for d in (".device/nvcomp", "/tmp/pykv-device/nvcomp") if glob.glob(f"{d}/*.whl")),
+                                 ".device/nvcomp")
+    install(wheels, args.site)
     from nvidia import nvcomp
     record["nvcomp"] = getattr(nvcomp, "__version__", "?")
     payload = kv_like(args.blocks)

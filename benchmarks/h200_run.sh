@@ -107,6 +107,18 @@ for pair in $EXTRA_MODULES; do
         || { echo "h200_run.sh: $module install failed" >&2; exit 3; }
 done
 
+# 3a. NVIDIA nvCOMP (codec_decode: planes-zstd loads decoded on the GPU) where .device/nvcomp is carried
+#     and the image lacks it: both wheels into $WORK/deps (``nvidia`` is a namespace package, so torch's
+#     own nvidia/* libraries stay visible)
+#     (or in /tmp/pykv-device/nvcomp, where an earlier command of the lease copied it: benchmarks/README.md)
+NVCOMP_WHEELS=$REPO/.device/nvcomp
+ls "$NVCOMP_WHEELS"/nvidia_*nvcomp*.whl >/dev/null 2>&1 || NVCOMP_WHEELS=/tmp/pykv-device/nvcomp
+if ls "$NVCOMP_WHEELS"/nvidia_*nvcomp*.whl >/dev/null 2>&1 && ! python3 -c "from nvidia import nvcomp" 2>/dev/null; then
+    say "installing nvCOMP from $NVCOMP_WHEELS"
+    python3 -m pip install -q --no-deps --no-index --no-compile -t "$WORK/deps" "$NVCOMP_WHEELS"/nvidia_*nvcomp*.whl \
+        || say "nvCOMP install failed: codec_decode=auto decodes on the CPU"
+fi
+
 # 3b. py-spy when PYKV_PYSPY names engines to profile (runner.profiled): its wheel from .device/extra
 if [ -n "${PYKV_PYSPY:-}" ]; then
     # its own target: pip -t skips a wheel's bin/ when the target has one already (sqlite-utils')
