@@ -2,8 +2,9 @@
 
 A store's payload is copied raw into its slot by the engine's copier, then encoded here
 (``encode``): when the stored bytes are smaller they replace the payload at the start of the
-slot, otherwise the block is stored raw (codec ``none``; a codec refusing a payload, e.g.
-``fp8`` and non-finite values, also stores it raw). A load's stored bytes are decoded here
+slot, otherwise the block is stored raw (codec ``none``; a codec refusing a payload also
+stores it raw). The engine runs ``planes-zstd`` here (``fp8`` runs on the KV's device:
+``pykv.connector.device_codec``). A load's stored bytes are decoded here
 (``decode``) into a scratch buffer, which the copier copies to the engine and then hands back
 (``release``): a slot's bytes are never changed by a load, so a DRAM-tier slot serves the
 next hit as it is.

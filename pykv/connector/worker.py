@@ -307,7 +307,7 @@ class PykvWorker(OffloadingWorker):
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
         """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own
-        (on the device for fp8, on the codec threads otherwise)."""
+        (on the KV's device for fp8 and, with ``codec_decode``, planes-zstd; else on the codec threads)."""
         raw = [c for c in copies if c.codec == NONE]
         if raw:
             self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
