@@ -80,9 +80,11 @@ _pykv() {
                 --size) :; return ;;
                 --repeat) :; return ;;
                 --read-segment) :; return ;;
+                --codec) :; return ;;
+                --codec-threads) :; return ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--path --depth --block-size --size --repeat --files --no-files --fio --no-fio --read-segment --json --help" -- "$cur"))
+                COMPREPLY=($(compgen -W "--path --depth --block-size --size --repeat --files --no-files --fio --no-fio --read-segment --codec --codec-threads --json --help" -- "$cur"))
             fi
             ;;
         config)

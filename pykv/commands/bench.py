@@ -12,7 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykv.bench import fio_available, run_bench
+from pykv.bench_codecs import bench_codecs, describe, medium_read, parse_codecs
+from pykv.codec import CODEC_NAMES
 from pykv.commands.output import JsonFlag, emit, table, warn
+from pykv.config import PykvConfig
 from pykv.errors import InputError
 from pykv.format import ALIGNMENT
 from pykv.io.probe import direct_io_supported
@@ -36,12 +39,26 @@ def bench_command(
         "--read-segment", metavar="SIZE",
         help="Reactor file loads split each block read into pieces of SIZE (the read_segment_bytes key); 0: one read.",
     )] = "0",
+    codec: Annotated[Optional[list[str]], typer.Option(
+        "--codec", metavar="NAME", help=f"Also measure codec NAME ({', '.join(CODEC_NAMES)}; repeat or a comma list) on "
+                                        "a KV-like bf16 block of --block-size: stored/raw ratio, encode and decode "
+                                        "GB/s, and the KV GB/s a disk hit could reach.")] = None,
+    codec_threads: Annotated[Optional[int], typer.Option(
+        "--codec-threads", min=1, help="Threads of the codec measurements (default: the codec_threads key's auto).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Measure O_DIRECT read and write throughput of each I/O engine at each depth (fio beside, if installed).
 
     Several --path: every engine and fio on all devices at once (--size and --depth per device),
     then on each device alone; the reactor's files over all of them as one device set.
+
+    --codec NAME (repeat or a comma list): each codec also stores and restores one --block-size block
+    of KV-like bf16 (planes-zstd on --codec-threads; fp8 through its torch functions on the CPU, and on
+    the GPU when CUDA is available). One line per codec: its stored/raw ratio, encode and decode GB/s
+    of KV, and the KV GB/s a disk hit could reach, min(R / ratio, decode GB/s), R being the raw read
+    pass at the deepest depth (R itself for none); the estimate assumes decoding pipelined with the
+    reads, as the engine does. --json has the figures under codecs.
     """
     depths = parse_int_list(depth, field="--depth")
     block = require_multiple(parse_size(block_size, field="--block-size"), ALIGNMENT, field="--block-size")
@@ -52,6 +69,8 @@ def bench_command(
     if total < block:
         raise InputError(f"--size: {format_size(total)} is smaller than --block-size {format_size(block)}")
     total -= total % block
+    codecs = parse_codecs(codec or [])
+    threads = codec_threads or PykvConfig().codec_worker_threads()
     given: list[Path | None] = list(paths) if paths else [None]
     for path in given:
         if path is not None and not path.is_dir():
@@ -84,6 +103,11 @@ def bench_command(
     data = {**where, "block_size": block, "size": total, "repeat": repeat,
             "results": [{**r.as_dict(), **({"device": named.get(r.device, r.device)} if r.device else {})}
                         for r in results]}
+    if codecs:
+        read, source = medium_read(data["results"])
+        data["codecs"] = {"block_size": block, "payload": "kv-like bf16", "threads": threads, "read_gb_per_s": read,
+                          "read_pass": source, "results": [f.as_dict() for f in bench_codecs(
+                              codecs, block_size=block, threads=threads, read_gb_per_s=read)]}
     emit(data, as_json=as_json, render=_render)
 
 
@@ -106,3 +130,10 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     out.print(table(f"O_DIRECT throughput, {format_size(data['block_size'])} requests, "
                     f"{format_size(data['size'])} per pass" + ("" if "path" in data else " and device") + f", {where}",
                     columns, rows, right={"depth", "GB/s", "of fio"}))
+    if "codecs" in data:
+        codecs = data["codecs"]
+        source = f", reads: {codecs['read_pass']}" if codecs["read_pass"] else ""
+        out.print(f"Codecs on one {format_size(codecs['block_size'])} block of {codecs['payload']}{source}:",
+                  soft_wrap=True)
+        for figures in codecs["results"]:
+            out.print("  " + describe(figures, codecs["read_gb_per_s"]), soft_wrap=True)
