@@ -1,5 +1,6 @@
-"""``pykv/codec/fp8.py``: e4m3 with one float32 scale per group of ``group`` consecutive values,
-within e4m3's error, and stored bytes that do not fit refused with ``CodecError``."""
+"""``pykv/codec/fp8.py``: e4m3 with one power-of-two scale (one E8M0 byte ``k + 127``) per group
+of ``group`` consecutive values, within e4m3's error, and stored bytes that do not fit refused
+with ``CodecError``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pykv.codec.fp8 import (
     DEFAULT_GROUP,
     E4M3_MAX,
     MAX_GROUP,
+    SCALE_BIAS,
     Fp8Codec,
     decode_tensor,
     dequantize,
@@ -34,8 +36,22 @@ def decoded(codec: Fp8Codec, stored: bytes, payload_len: int, dtype: torch.dtype
     return torch.frombuffer(bytearray(codec.decode_bytes(stored, payload_len)), dtype=dtype)
 
 
-def scale_at(stored: bytes, index: int) -> float:
-    return torch.frombuffer(bytearray(stored[4 * index: 4 * index + 4]), dtype=torch.float32).item()
+def scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """The float32 scales ``2**(byte - 127)`` of E8M0 scale bytes, exactly."""
+    return torch.ldexp(torch.ones(scale_bytes.shape), scale_bytes.to(torch.int32) - SCALE_BIAS)
+
+
+def expected_scale_byte(amax: float) -> int:
+    """127 + the smallest k with amax / 2**k <= 448, found by exact float (double) comparisons
+    (an all-zero group: k = -9, as ``frexp(0)`` is ``0 * 2**0``; any scale decodes its zeros)."""
+    if amax == 0:
+        return 127 - 9
+    k = 0
+    while amax > E4M3_MAX * 2.0 ** k:
+        k += 1
+    while amax <= E4M3_MAX * 2.0 ** (k - 1):
+        k -= 1
+    return k + 127
 
 
 def errors(original: torch.Tensor, restored: torch.Tensor, scales: torch.Tensor) -> dict[str, float]:
@@ -44,7 +60,7 @@ def errors(original: torch.Tensor, restored: torch.Tensor, scales: torch.Tensor)
     norm of the error over the norm of the values."""
     x = original.float().reshape(-1, HEADS, TOKENS, 2, HEAD_DIM)
     y = restored.float().reshape(x.shape)
-    floor = scales.reshape(x.shape[:-1])[..., None] * 2 ** -6  # smallest normal e4m3 value, scaled
+    floor = scale_values(scales).reshape(x.shape[:-1])[..., None] * 2 ** -6  # smallest normal e4m3 value, scaled
     out = {}
     for index, part in enumerate("KV"):
         xs, ys, fs = x[:, :, :, index], y[:, :, :, index], floor[:, :, :, index]
@@ -65,15 +81,19 @@ def test_kv_like_round_trip_is_within_e4m3_error():
     stored = codec.encode(payload)
     groups = values.numel() // 64
     assert len(stored) == codec.encoded_bound(len(payload)) == codec.stored_length(len(payload))
-    assert len(stored) == values.numel() + 4 * groups == len(payload) // 2 + 4 * 8 * HEADS * TOKENS * 2
+    assert len(stored) == values.numel() + groups == len(payload) // 2 + 8 * HEADS * TOKENS * 2
     codes, scales, bad = quantize(values, codec.group)
-    assert not bool(bad) and scales.dtype == torch.float32 and scales.shape == (groups,)
-    assert stored[: 4 * groups] == scales.numpy().tobytes() and stored[4 * groups:] == codes.numpy().tobytes()
-    assert torch.equal(scales, values.float().reshape(-1, 64).abs().amax(dim=1) / E4M3_MAX)
+    assert not bool(bad) and scales.dtype == torch.uint8 and scales.shape == (groups,)
+    assert codes.dtype == torch.uint8 and codes.shape == (values.numel(),)
+    # stored: every group's scale byte (in payload order), then one code per value
+    assert stored[:groups] == scales.numpy().tobytes() and stored[groups:] == codes.numpy().tobytes()
+    amax = values.double().reshape(-1, 64).abs().amax(dim=1).tolist()
+    assert scales.tolist() == [expected_scale_byte(a) for a in amax]
     found = errors(values, decoded(codec, stored, len(payload)), scales)
     assert found["K_max"] <= NORMAL_BOUND and found["V_max"] <= NORMAL_BOUND, found
-    assert found["K_mean"] < 0.03 and found["V_mean"] < 0.03, found
-    assert found["K_norm"] < 0.04 and found["V_norm"] < 0.04, found
+    # measured (kv_like, 8 pages): max 0.0588 (K and V), mean 0.0225 / 0.0226, norm 0.0265 / 0.0266
+    assert found["K_mean"] < 0.027 and found["V_mean"] < 0.027, found
+    assert found["K_norm"] < 0.032 and found["V_norm"] < 0.032, found
     assert found["K_mean"] > 0 and found["V_mean"] > 0, found  # lossy: it did quantize
 
 
@@ -86,16 +106,18 @@ def test_one_outlier_widens_its_own_groups_scale_only(group):
     _, before, _ = quantize(values, group)
     codes, after, bad = quantize(spiked, group)
     assert not bool(bad)
-    assert after[17] == 1000.0 / E4M3_MAX and before[17] < 5 / E4M3_MAX
+    # 1000 / 2**2 = 250 <= 448 < 1000 / 2**1: k = 2, byte 129; N(0, 1) values stay below 5,
+    # and 5 / 2**-6 = 320 <= 448: their k is -6 or less
+    assert after[17] == 127 + 2 and before[17] <= 127 - 6
     changed = (after != before).nonzero().reshape(-1).tolist()
     assert changed == [17]
     out = torch.empty(spiked.numel(), dtype=torch.bfloat16)
     assert not bool(dequantize(codes, after, out, group))
-    assert out[where] == 1000.0
+    assert out[where] == 1024.0  # 250 rounds to e4m3's 256 (steps of 16 in 128..256), times 2**2
     others = torch.ones(spiked.numel(), dtype=torch.bool)
     others[17 * group: 18 * group] = False  # every other value keeps its own group's precision
     x, y = spiked.float()[others], out.float()[others]
-    floor = after.repeat_interleave(group)[others] * 2 ** -9  # half the smallest subnormal step
+    floor = scale_values(after).repeat_interleave(group)[others] * 2 ** -9  # half the smallest subnormal step
     assert bool(((y - x).abs() <= NORMAL_BOUND * x.abs() + floor).all())
 
 
@@ -104,17 +126,19 @@ def test_fp16_round_trip_and_all_zero_groups(group):
     codec = Fp8Codec("float16", group)
     assert codec.torch_dtype == torch.float16
     values = torch.randn(6 * group, generator=torch.Generator().manual_seed(3)) * 1000
-    values[group: 3 * group] = 0  # two all-zero groups: scale 1, codes 0
+    values[group: 3 * group] = 0  # two all-zero groups: codes 0, scale byte 118 (frexp(0) = 0 * 2**0: k = -9)
     payload = payload_of(values, torch.float16)
     stored = codec.encode(payload)
-    assert len(stored) == 6 * group + 4 * 6
-    assert [scale_at(stored, i) for i in (1, 2)] == [1.0, 1.0]
-    assert scale_at(stored, 0) == (values[:group].to(torch.float16).float().abs().max() / E4M3_MAX).item()
-    assert not any(stored[24 + group: 24 + 3 * group])
+    assert len(stored) == 6 * group + 6
+    assert list(stored[1:3]) == [118, 118]
+    halves = values.to(torch.float16).double().reshape(6, group).abs().amax(dim=1).tolist()
+    assert list(stored[:6]) == [expected_scale_byte(a) for a in halves]
+    assert all(1 <= b <= 127 + 7 for b in stored[:6])  # fp16 holds 448 * 2**7 = 57344, not 448 * 2**8
+    assert not any(stored[6 + group: 6 + 3 * group])
     restored = decoded(codec, stored, len(payload), torch.float16)
     assert torch.equal(restored[group: 3 * group], torch.zeros(2 * group, dtype=torch.float16))
     rel = (restored.float() - values.to(torch.float16).float()).abs() / values.abs().clamp_min(1)
-    assert rel.max() < 0.07 and rel.max() > 0
+    assert rel.max() < 0.07 and rel.max() > 0  # measured: 0.0479 (group 16), 0.0588 (64, 256)
 
 
 def test_an_empty_payload_stores_nothing():
@@ -138,7 +162,7 @@ def test_lengths_that_are_not_whole_groups_or_the_exact_size_are_refused():
     codec = Fp8Codec(group=32)
     payload = payload_of(torch.randn(8 * 32))
     stored = codec.encode(payload)
-    assert len(stored) == 8 * 32 + 4 * 8
+    assert len(stored) == 8 * 32 + 8
     for length in (len(payload) - 2, 2 * 32 + 1, 1):
         with pytest.raises(CodecError, match="whole groups"):
             codec.encode(payload[:length])
@@ -146,7 +170,7 @@ def test_lengths_that_are_not_whole_groups_or_the_exact_size_are_refused():
             codec.decode(stored, bytearray(length))
         with pytest.raises(CodecError, match="whole groups"):
             codec.stored_length(length)
-    for wrong in (stored[:-1], stored + b"\0", b"", stored[4:], stored[:-32]):
+    for wrong in (stored[:-1], stored + b"\0", b"", stored[1:], stored[8:], stored[:-32]):
         with pytest.raises(CodecError, match="stored bytes"):
             codec.decode(wrong, bytearray(len(payload)))
     with pytest.raises(CodecError, match="smaller than"):
@@ -155,26 +179,70 @@ def test_lengths_that_are_not_whole_groups_or_the_exact_size_are_refused():
     assert codec.encode(payload, out) == len(stored) and bytes(out[: len(stored)]) == stored
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, 200.0])
-def test_hostile_scales_are_refused(scale):
-    codec = Fp8Codec("float16", 16)  # fp16: scales above 65504 / 448 = 146.2 overflow
-    payload = payload_of(torch.randn(3 * 16), torch.float16)
+@pytest.mark.parametrize("name, byte", [("bfloat16", 0), ("bfloat16", 255), ("bfloat16", 247),
+                                        ("float16", 0), ("float16", 255), ("float16", 135)])
+def test_hostile_scale_bytes_are_refused(name, byte):
+    """Byte 0 (2**-127) and 255 (E8M0's NaN) are outside -126..126; 247 (2**120) overflows bf16
+    (448 * 2**120 > 3.39e38), 135 (2**8) fp16 (448 * 2**8 > 65504)."""
+    dtype = Fp8Codec(name).torch_dtype
+    codec = Fp8Codec(name, 16)
+    payload = payload_of(torch.randn(3 * 16), dtype)
     stored = bytearray(codec.encode(payload))
     codec.decode(bytes(stored), bytearray(len(payload)))  # as encoded: accepted
-    stored[4:8] = torch.tensor([scale], dtype=torch.float32).numpy().tobytes()  # group 1's scale
-    with pytest.raises(CodecError, match="scale"):
+    stored[1] = byte  # group 1's scale
+    with pytest.raises(CodecError, match="a scale the dtype cannot hold, or a NaN code"):
         codec.decode(bytes(stored), bytearray(len(payload)))
 
 
-def test_the_largest_scale_the_dtype_holds_is_accepted_and_stays_finite():
-    codec = Fp8Codec("float16", 16)
-    stored = bytearray(codec.encode(payload_of(torch.ones(16), torch.float16)))
-    stored[0:4] = torch.tensor([146.0], dtype=torch.float32).numpy().tobytes()
-    restored = decoded(codec, bytes(stored), 32, torch.float16)
-    assert bool(torch.isfinite(restored).all()) and restored.max() == 448 * 146
-    stored[0:4] = torch.tensor([147.0], dtype=torch.float32).numpy().tobytes()
+@pytest.mark.parametrize("name, largest", [("bfloat16", 127 + 119), ("float16", 127 + 7)])
+def test_the_largest_scale_the_dtype_holds_is_accepted_and_stays_finite(name, largest):
+    codec = Fp8Codec(name, 16)
+    dtype = codec.torch_dtype
+    stored = bytearray(codec.encode(payload_of(torch.ones(16), dtype)))
+    stored[1:] = bytes([0x7E]) * 16  # e4m3's largest magnitude, 448, in every code
+    for byte in (1, largest):  # the smallest scale, 2**-126, and the largest the dtype holds
+        stored[0] = byte
+        restored = decoded(codec, bytes(stored), 32, dtype)
+        assert bool(torch.isfinite(restored).all())
+        exact = torch.tensor(448 * 2.0 ** (byte - 127), dtype=torch.float64).to(dtype)  # fp16: 2**-119 is 0
+        assert restored.tolist() == [exact.item()] * 16
+    assert decoded(codec, bytes(stored), 32, dtype).max() == E4M3_MAX * 2 ** (largest - 127)
+    stored[0] = largest + 1
     with pytest.raises(CodecError, match="scale"):
         codec.decode(bytes(stored), bytearray(32))
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_the_scale_is_the_smallest_power_of_two_bringing_the_groups_amax_to_448(name):
+    codec = Fp8Codec(name, 4)
+    dtype = codec.torch_dtype
+    step = 2.0 ** (11 - (7 if dtype == torch.bfloat16 else 10))  # one ulp of dtype at 2048..4096
+    cases = [  # (amax, byte): 127 + the smallest k with amax / 2**k <= 448
+        (448 * 2 ** 3, 130), (448 * 2 ** 3 + step, 131), (-448 * 2 ** 3, 130),
+        (448.0, 127), (448 + 2 * step / 16, 128),  # the next value after 448: 450 (bf16), 448.25 (fp16)
+        (1.0, 127 - 8),  # 1 / 2**-8 = 256 <= 448 < 1 / 2**-9 = 512
+        (224.0, 127 - 1), (224 + step / 16, 127),
+        (448 * 2.0 ** -10, 117),
+    ]
+    for amax, byte in cases:
+        values = torch.tensor([amax / 2, 0.0, amax, -amax / 8]).to(dtype)
+        assert values[2].item() == amax  # the dtype holds amax exactly
+        codes, scales, bad = quantize(values, 4)
+        assert not bool(bad) and scales.tolist() == [byte] == [expected_scale_byte(abs(amax))], amax
+        assert codec.encode(payload_of(values, dtype))[0] == byte
+        # amax itself lands in 224..448 of e4m3 (its top binade), so the scale wastes no range
+        assert 224 < abs(amax) / 2.0 ** (byte - 127) <= 448
+        assert abs(codes.view(torch.float8_e4m3fn)[2].float().item()) > 224 - 16
+
+
+@pytest.mark.xfail(strict=True, reason="fp8.py: an amax above 448 * 2**max_exponent(dtype) (fp16: 57344, "
+                                       "bf16: 2.98e38) encodes to a scale byte that decode refuses")
+@pytest.mark.parametrize("name, value", [("float16", 60000.0), ("bfloat16", 3.0e38)])
+def test_every_finite_payload_the_encoder_accepts_decodes(name, value):
+    codec = Fp8Codec(name, 16)
+    payload = payload_of(torch.full((16,), value), codec.torch_dtype)
+    restored = decoded(codec, codec.encode(payload), len(payload), codec.torch_dtype)
+    assert bool(torch.isfinite(restored).all())
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
@@ -184,7 +252,7 @@ def test_nan_codes_are_refused(code):
     stored = bytearray(codec.encode(payload))
     codec.decode(bytes(stored), bytearray(len(payload)))
     stored[-1] = code
-    with pytest.raises(CodecError, match="code is NaN"):
+    with pytest.raises(CodecError, match="a NaN code"):
         codec.decode(bytes(stored), bytearray(len(payload)))
     stored[-1] = code - 1  # e4m3's largest magnitude: a value, not NaN
     codec.decode(bytes(stored), bytearray(len(payload)))
@@ -199,8 +267,7 @@ def test_fuzz_random_stored_bytes_decode_to_finite_values_or_are_refused():
         for _ in range(300):
             stored = bytearray(rng.randbytes(codec.stored_length(payload_len)))
             if rng.random() < 0.5:  # plausible scales, so that some inputs pass the scale check
-                for index in range(4):
-                    stored[4 * index: 4 * index + 4] = torch.tensor([rng.uniform(1e-6, 100.0)]).numpy().tobytes()
+                stored[:4] = bytes(rng.randint(1, 127 + 7) for _ in range(4))
             dst = bytearray(payload_len)
             try:
                 codec.decode(bytes(stored), dst)
@@ -219,7 +286,7 @@ def test_decode_tensor_writes_into_a_device_tensor():
     stored = codec.encode(payload)
     expected = codec.decode_bytes(stored, len(payload))
     hostile = bytearray(stored)
-    hostile[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
+    hostile[0] = 255
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         out = torch.zeros(len(payload), dtype=torch.uint8, device=device)
@@ -231,19 +298,14 @@ def test_decode_tensor_writes_into_a_device_tensor():
         values = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16)
         codes, scales, bad = quantize(values.to(device), 64)
         assert not bool(bad) and codes.device.type == scales.device.type == device
-        # CUDA divides by 448 as a multiply by its reciprocal: a scale may be 1 ulp off the CPU's,
-        # and a code then one step off, so the GPU's stored bytes are checked by what they decode to
-        _, cpu_scales, _ = quantize(values, 64)
-        assert torch.allclose(scales.cpu(), cpu_scales, rtol=2 ** -22, atol=0)
-        restored = decoded(codec, scales.cpu().numpy().tobytes() + codes.cpu().numpy().tobytes(), len(payload))
-        floor = cpu_scales.repeat_interleave(64) * 2 ** -9
-        assert bool(((restored.float() - values.float()).abs() <= NORMAL_BOUND * values.float().abs() + floor).all())
+        # power-of-two scales are exact: every device writes the CPU codec's bytes
+        assert scales.cpu().numpy().tobytes() + codes.cpu().numpy().tobytes() == stored
 
 
 def test_params_name_the_group_and_dtype():
-    assert Fp8Codec().params == "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16"
-    assert Fp8Codec("float16", 128).params == "fp8:v2,e4m3,group=128,scale=f32,dtype=float16"
-    assert Fp8Codec(group=1).stored_length(2) == 5 and Fp8Codec(group=MAX_GROUP).stored_length(2 * MAX_GROUP) == MAX_GROUP + 4
+    assert Fp8Codec().params == "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bfloat16"
+    assert Fp8Codec("float16", 128).params == "fp8:v2,e4m3,group=128,scale=e8m0,dtype=float16"
+    assert Fp8Codec(group=1).stored_length(2) == 2 and Fp8Codec(group=MAX_GROUP).stored_length(2 * MAX_GROUP) == MAX_GROUP + 1
 
 
 @pytest.mark.parametrize("dtype, group", [("float32", 64), ("bf16", 64), ("half", 64), ("", 64),

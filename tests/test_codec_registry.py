@@ -18,10 +18,21 @@ def test_every_name_gives_its_codec_with_distinct_params():
 
 def test_fp8_defaults_to_bfloat16_and_takes_its_dtype_and_group():
     pytest.importorskip("torch")
-    assert codec_for("fp8").params == "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16"
+    assert codec_for("fp8").params == "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bfloat16"
+    assert codec_for("fp8", group=None).params == codec_for("fp8").params
     codec = codec_for("fp8", dtype="float16", group=128)
-    assert codec.params == "fp8:v2,e4m3,group=128,scale=f32,dtype=float16"
-    assert codec.stored_length(2 * 256) == 256 + 2 * 4
+    assert codec.params == "fp8:v2,e4m3,group=128,scale=e8m0,dtype=float16"
+    assert codec.stored_length(2 * 256) == 256 + 2  # one code per value, one scale byte per group
+
+
+@pytest.mark.parametrize("group", [0, -64, 4097])
+def test_an_fp8_group_it_cannot_use_is_refused_in_one_line(group):
+    pytest.importorskip("torch")
+    with pytest.raises(UnknownCodecError) as refused:
+        codec_for("fp8", group=group)  # 0 is not "the default": it is refused like any other
+    message = str(refused.value)
+    assert "\n" not in message and "fp8" in message and f"not {group}" in message
+    assert isinstance(refused.value, InputError)
 
 
 def test_unknown_names_are_refused_in_one_line():

@@ -147,10 +147,10 @@ def test_unknown_and_fp8_codecs_decode_within_their_bounds():
     assert header.codec == UNKNOWN and header.payload_length == unknown_bound(3000)
     fp8 = codec_from_params(Fp8Codec("bfloat16").params)
     assert isinstance(fp8, Fp8Codec) and (fp8.dtype, fp8.group) == ("bfloat16", 64)
-    assert fp8.params == "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16"
+    assert fp8.params == "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bfloat16"
     groups = Geometry(tokens=4, segments=3, segment_bytes=2 * 64 * 5)  # 15 groups of 128 bytes
     bound = fp8.encoded_bound(groups.payload_length)
-    assert bound == groups.payload_length // 2 + 4 * 15
+    assert bound == groups.payload_length // 2 + 15  # one scale byte per group
     assert decode_header(coded(fp8.params, bytes(bound), groups)).payload_length == bound
     with pytest.raises(FormatError, match="exceeds"):
         decode_header(with_stored_length(coded(fp8.params, bytes(bound), groups), bound + 1))
@@ -165,23 +165,24 @@ def test_unknown_and_fp8_codecs_decode_within_their_bounds():
 
 
 @pytest.mark.parametrize("params", [
-    "fp8:v2,e4m3,group=0,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=abc,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=-64,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=064,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=99999,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,scale=f32,dtype=bfloat16",  # no group
+    "fp8:v2,e4m3,group=0,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=abc,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=-64,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=064,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=99999,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,scale=e8m0,dtype=bfloat16",  # no group
     "fp8:v2,e4m3,group=64,dtype=bfloat16",  # no scale
-    "fp8:v2,e4m3,group=64,scale=f32",  # no dtype
-    "fp8:v2,group=64,scale=f32,dtype=bfloat16",  # no e4m3
-    "fp8:v2,e4m3,group=64,scale=f32,dtype=float32",
-    "fp8:v2,e4m3,group=64,scale=f32,dtype=bf16",
+    "fp8:v2,e4m3,group=64,scale=e8m0",  # no dtype
+    "fp8:v2,group=64,scale=e8m0,dtype=bfloat16",  # no e4m3
+    "fp8:v2,e4m3,group=64,scale=e8m0,dtype=float32",
+    "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bf16",
     "fp8:v2,e4m3,group=64,scale=f16,dtype=bfloat16",
-    "fp8:v1,e4m3,group=64,scale=f32,dtype=bfloat16",
-    "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16,extra=1",
-    "fp8:v2,e4m3,dtype=bfloat16,group=64,scale=f32",  # the right fields in another order
-    "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16,group=64",
+    "fp8:v1,e4m3,group=64,scale=e8m0,dtype=bfloat16",
+    "fp8:v2,e4m3,group=64,scale=f32,dtype=bfloat16",  # revision 2's float32 scales, before E8M0
+    "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bfloat16,extra=1",
+    "fp8:v2,e4m3,dtype=bfloat16,group=64,scale=e8m0",  # the right fields in another order
+    "fp8:v2,e4m3,group=64,scale=e8m0,dtype=bfloat16,group=64",
     "fp8",
     "fp8:",
     "fp8:v1,e4m3,scale=block-layer-head-kv,dtype=bfloat16,heads=2,tokens=4,head_dim=8,order=HNKD",  # v1

@@ -21,7 +21,7 @@ def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, t
     if name == "fp8":
         from pykv.codec.fp8 import DEFAULT_GROUP, Fp8Codec
         try:
-            return Fp8Codec(dtype, group or DEFAULT_GROUP)
+            return Fp8Codec(dtype, DEFAULT_GROUP if group is None else group)
         except ValueError as exc:
             raise UnknownCodecError(f"codec 'fp8': {exc}") from None
     raise UnknownCodecError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES)})")
