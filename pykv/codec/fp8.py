@@ -62,13 +62,16 @@ def max_exponent(dtype: torch.dtype) -> int:
 
 def quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 codes as uint8 in the payload's order, scale bytes ``k + 127`` one per group, a 0-d
-    bool tensor: True if a value is NaN or infinite) of ``values``, a flat bf16/fp16 tensor of
-    whole groups, all on ``values``' device. Nothing waits for the device."""
+    bool tensor: True if a value is NaN or infinite, or so large that its group's scale is beyond
+    what ``dequantize`` accepts for the dtype) of ``values``, a flat bf16/fp16 tensor of whole
+    groups, all on ``values``' device. Nothing waits for the device."""
     x = values.reshape(-1, group).float()
     amax = x.abs().amax(dim=1, keepdim=True)
-    bad = ~torch.isfinite(amax).all()
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    k = (exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)).clamp_(MIN_EXPONENT, MAX_EXPONENT)
+    k = exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)
+    # a scale the decoder would refuse (448 x 2**k beyond the dtype: fp16 above 57,344) is refused here
+    bad = ~torch.isfinite(amax).all() | (k > max_exponent(values.dtype)).any()
+    k = k.clamp_(MIN_EXPONENT, MAX_EXPONENT)
     codes = x.mul_(_power_of_two(-k)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.view(torch.uint8).reshape(-1), (k + SCALE_BIAS).to(torch.uint8).reshape(-1), bad
 
@@ -131,7 +134,7 @@ class Fp8Codec(Codec):
         head = self.scale_bytes(len(payload))
         codes, scales, bad = quantize(_tensor(payload).view(self.torch_dtype), self.group)
         if bool(bad):
-            raise CodecError(self.name, "the payload holds NaN or infinite values")
+            raise CodecError(self.name, "the payload holds NaN or infinite values, or values beyond 448 x 2**k for its dtype")
         total = head + codes.numel()
         target = bytearray(total) if out is None else byte_view(out, writable=True)
         if len(target) < total:

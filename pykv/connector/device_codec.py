@@ -142,7 +142,8 @@ class DeviceCodec:
             failure = BlockFailure(Step.CHECK, detail=f"{self.name}: stored bytes the encoder never writes")
             work.done(work.task, not bad, failure if bad else None)
         elif bad:
-            log.warning("pykv: a block's KV holds NaN or infinite values; not stored (codec %s)", self.name)
+            log.warning("pykv: a block's KV holds NaN or infinite values, or values the codec cannot scale; not "
+                        "stored (codec %s)", self.name)
             work.done(work.task, False, None)
         else:
             work.done(work.task, True, stored)
