@@ -11,8 +11,8 @@ On CUDA one thread issues every block's work on one stream, in order, so the dev
 while issuing; a poller thread waits for each block's event, then reads the block's bad-input
 flag, a page-locked byte the device wrote: NaN or infinite KV fails a store, bytes the encoder
 never writes fail a load (``Step.CHECK``: a miss, recomputed and quarantined), as does a
-``CodecError`` found on the host before any device work. On the CPU platform (and in tests)
-the same steps run on the caller's thread.
+``CodecError`` found on the host before any device work. On the CPU platform the same steps
+run on one thread of their own, block after block (never on the reactor's thread).
 """
 
 from __future__ import annotations
@@ -77,9 +77,12 @@ class DeviceCodec:
         self.params, self.copier = params, copier
         self.device = copier.tensors[0].device
         self.payload = torch.empty(largest_payload, dtype=torch.int8, device=self.device)
-        self._lock = threading.Lock()  # the CPU platform: callers share the scratch
         self.cuda = self.device.type == "cuda" if streams is None else streams  # (tests: fake streams on the CPU)
-        if self.cuda:
+        if not self.cuda:  # the CPU platform: one thread does each block's work in turn (never the reactor's)
+            self._queued = queue.Queue()
+            self._threads = [threading.Thread(target=self._run_queued, name=f"pykv-{self.name}-cpu", daemon=True)]
+            self._threads[0].start()
+        else:
             self._stream = torch.cuda.Stream(device=self.device)
             self._flags = torch.zeros(FLAGS, dtype=torch.bool, pin_memory=self.device.type == "cuda")
             self._free_flags = threading.Semaphore(FLAGS)
@@ -107,10 +110,9 @@ class DeviceCodec:
                 self._submit(_Work(False, load, done))
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.cuda:
-            self._queued.put(None)
-            for thread in self._threads:
-                thread.join(timeout)
+        self._queued.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
 
     # -- a codec's steps ---------------------------------------------------------------------------
     def _refusal(self, load: CodedLoad) -> str | None:
@@ -160,17 +162,21 @@ class DeviceCodec:
             work.done(work.task, False, BlockFailure(Step.COPY, detail=f"{self.name} decoding on the device failed"))
 
     def _submit(self, work: _Work) -> None:
-        if self.cuda:
-            self._queued.put(work)
-            return
-        try:
-            with self._lock:
+        self._queued.put(work)
+
+    def _run_queued(self) -> None:
+        """The CPU platform's thread: each block's work, then its end."""
+        while True:
+            work = self._queued.get()
+            if work is None:
+                return
+            try:
                 bad, stored, _ = self._run(work)
                 failed = bool(bad)
-        except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
-            self._fail(work, error)
-            return
-        self._finish(work, failed, stored)
+            except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
+                self._fail(work, error)
+                continue
+            self._finish(work, failed, stored)
 
     # -- CUDA --------------------------------------------------------------------------------------
     def _issue_queued(self) -> None:
