@@ -84,3 +84,31 @@ def test_an_engine_with_another_configuration_never_reads_the_tree(tmp_path, var
         assert not target.exists() and source.exists()
     finally:
         reader.close()
+
+
+class _Config:
+    """The parts of a ``VllmConfig`` the connector reads for the KV dtype."""
+
+    def __init__(self, cache_dtype, model_dtype) -> None:
+        self.cache_config = type("Cache", (), {"cache_dtype": cache_dtype})()
+        self.model_config = type("Model", (), {"dtype": model_dtype})()
+
+
+def test_an_auto_kv_dtype_is_resolved_so_bf16_and_fp16_engines_never_share(monkeypatch):
+    """vLLM 26-31 pass ``auto`` in ``OffloadingConfig.model.dtype``; the connector remembers what the
+    engine resolves it to (the model's dtype), so the namespace (and fp8's params) name the real dtype."""
+    import torch
+
+    from pykv.connector import compat, compat_adapters
+    monkeypatch.setattr(compat_adapters, "_engine_kv_dtype", None)
+    auto = offloading_config("/unused", dtype="auto")
+    assert compat.kv_cache_dtype(auto) == "auto"  # nothing remembered (a unit test's config): as given
+    compat.remember_kv_dtype(_Config("auto", torch.bfloat16))
+    bf16 = namespace_for(auto, rank=0)
+    assert compat.kv_cache_dtype(auto) == "bfloat16" and bf16.dtype == "bfloat16"
+    assert bf16 == namespace("baseline")  # the same as a vLLM that resolves it itself (32+)
+    compat.remember_kv_dtype(_Config("auto", torch.float16))
+    assert namespace_for(auto, rank=0).id != bf16.id
+    compat.remember_kv_dtype(_Config("fp8_e4m3", torch.bfloat16))
+    assert compat.kv_cache_dtype(auto) == "fp8_e4m3"
+    assert compat.kv_cache_dtype(offloading_config("/unused", dtype="float16")) == "float16"  # given: kept

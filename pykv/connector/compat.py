@@ -23,6 +23,8 @@ ones this vLLM has), ``compat_metrics`` (stats, gauges and Prometheus metrics th
 |                                         |           | our manager has no thread      |
 | ``get_transfer_results``/failed_recving | 30+       | ``HAS_TRANSFER_RESULTS``       |
 | ``kv_cache_layout`` in OffloadingConfig | 29+       | ``kv_layout()``                |
+| ``model.dtype`` ``auto`` passed on     | 26-31     | ``kv_cache_dtype()`` resolves  |
+|   (OffloadingConfig)                    |           | it (``remember_kv_dtype``)     |
 | cross-layer HND blocks on CUDA          | 26-28     | ``kv_layout()`` names it       |
 | ``group_idx`` meaning (index vs id)     | 26-29/30+ | opaque: part of the key bytes  |
 | private attributes pykv must read       | 26-33     | ``load_job_requests``,         |
@@ -71,12 +73,14 @@ from pykv.connector.compat_adapters import (  # noqa: F401  (re-exported)
     hash_fn_by_name,
     in_flight_jobs,
     is_cpu_platform,
+    kv_cache_dtype,
     kv_cache_group_count,
     kv_layout,
     load_failure_policy,
     load_job_requests,
     platform_name,
     prompt_block_hasher,
+    remember_kv_dtype,
     route_logs,
     scheduler_group_configs,
     scheduler_offloading_manager,

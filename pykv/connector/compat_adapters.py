@@ -133,6 +133,26 @@ def default_none_hash_seed(algo: str) -> str | None:
     return default
 
 
+_engine_kv_dtype: str | None = None  # this process's engine's KV dtype, as the connector resolved it
+
+
+def remember_kv_dtype(vllm_config: Any) -> None:
+    """(The connector, before vLLM builds the spec.) The dtype this engine's KV cache holds: the
+    cache dtype, or for ``auto`` the model's. vLLM 26-31 pass ``auto`` on in
+    ``OffloadingConfig.model.dtype``, where bf16 and fp16 engines of one model would look alike."""
+    global _engine_kv_dtype
+    cache = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    dtype = cache if str(cache) != "auto" else getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    _engine_kv_dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def kv_cache_dtype(config: OffloadingConfig) -> str:
+    """The KV cache's dtype (e.g. ``bfloat16``): ``config.model.dtype``, or where that is ``auto``
+    (vLLM 26-31) the one the connector remembered (``remember_kv_dtype``)."""
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    return _engine_kv_dtype if dtype == "auto" and _engine_kv_dtype else dtype
+
+
 def current_vllm_config() -> Any:
     """The ``VllmConfig`` of the engine being built in this process, or None."""
     try:

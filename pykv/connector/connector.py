@@ -134,6 +134,7 @@ class PykvOffloadingConnector(OffloadingConnector):
                 "`pykv config` prints a complete one) so that a damaged or vanished cache file makes vLLM "
                 "recompute those tokens instead of failing the request.")
         refuse_sync_loads(vllm_config)
+        compat.remember_kv_dtype(vllm_config)  # before vLLM builds the spec: namespaces and codecs read it
         self._reset_fence = ResetFence()
         if kv_cache_config is None:
             super().__init__(vllm_config, role, **kwargs)

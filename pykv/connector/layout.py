@@ -57,7 +57,7 @@ def namespace_for(config: OffloadingConfig, rank: int, *, codec: str = "none") -
         **Namespace.codec_facts(codec),
     }
     return Namespace(model=model_identity(config.model.name, revision), label=config.model.name,
-                     dtype=str(config.model.dtype), kv_layout=compat.kv_layout(config),
+                     dtype=compat.kv_cache_dtype(config), kv_layout=compat.kv_layout(config),
                      tokens_per_block=tokens_per_chunk(config), tp_size=tp_size, tp_rank=rank % tp_size,
                      pp_rank=(rank // tp_size) % max(parallel.pp_size, 1), extra=tuple(extra.items()))
 

@@ -76,7 +76,7 @@ class PykvManager(OffloadingManager):
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, *, clock=time.monotonic) -> None:
         self.config, self.pykv, self._clock = config, pykv, clock
         # each rank's KV shard lives in its own namespace; rank 0's names the engine (gate, logs)
-        codec = engine_codec(pykv, config.model.dtype).params  # the workers' (a codec is a namespace of its own)
+        codec = engine_codec(pykv, compat.kv_cache_dtype(config)).params  # the workers' (a codec is a namespace of its own)
         self.rank_namespaces = tuple(namespace_for(config, rank=r, codec=codec)
                                      for r in range(max(config.parallel.world_size, 1)))
         self.namespace = self.rank_namespaces[0]

@@ -89,7 +89,7 @@ class PykvWorker(OffloadingWorker):
         self._stats_lock = threading.Lock()
         self._stats_in_flight, self._stats_due = -1, 0.0  # jobs at the last counter write, and the next one's time
         self.early_release = True  # whatever the world size: the scheduler counts every rank's write ends
-        codec = engine_codec(pykv, config.model.dtype)
+        codec = engine_codec(pykv, compat.kv_cache_dtype(config))
         shape = EngineShape(namespace_for(config, rank=self.rank, codec=codec.params), slot_bytes(config), transient,
                             dram, self.rank, self.early_release, codec=codec.params)
         register, unregister = (cuda_host_register, cuda_host_unregister) if cuda else (None, None)
