@@ -210,6 +210,19 @@ def test_engine_mismatch_names_the_field_unless_overridden():
     assert [m.split(": ")[1] for m in mismatches] == ["model", "kv_layout"]
 
 
+def test_a_file_calibrated_with_dtype_auto_serves_any_dtype_of_its_engine():
+    """vLLM 26-31 named the KV dtype "auto"; pykv now names the resolved one. A file from then holds
+    timings of the same bytes per token (bf16 or fp16), so it still gates; "auto" in an engine does not
+    match a file of another dtype."""
+    engine = {"model": "/models/llama", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+"}
+    old = calibration(dtype="auto")
+    assert old.check_engine(engine) == [] and old.check_engine({**engine, "dtype": "float16"}) == []
+    with pytest.raises(CalibrationError, match="model: "):
+        old.check_engine({**engine, "model": "/models/other"})
+    with pytest.raises(CalibrationError, match="dtype: calibrated for 'bfloat16', this engine has 'auto'"):
+        calibration().check_engine({**engine, "dtype": "auto"})
+
+
 def test_each_codec_has_its_calibration_and_an_old_file_is_for_none(tmp_path):
     zstd = "planes-zstd:v1,elem=2,level=1,chunk=1048576"
     engine = {"model": "/models/llama", "dtype": "bfloat16", "kv_layout": "LBHNC/v29+"}
