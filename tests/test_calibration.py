@@ -219,6 +219,8 @@ def test_a_file_calibrated_with_dtype_auto_serves_any_dtype_of_its_engine():
     assert old.check_engine(engine) == [] and old.check_engine({**engine, "dtype": "float16"}) == []
     with pytest.raises(CalibrationError, match="model: "):
         old.check_engine({**engine, "model": "/models/other"})
+    with pytest.raises(CalibrationError, match="dtype: calibrated for 'auto', this engine has 'fp8_e4m3'"):
+        old.check_engine({**engine, "dtype": "fp8_e4m3"})  # an fp8 KV cache was never "auto"
     with pytest.raises(CalibrationError, match="dtype: calibrated for 'bfloat16', this engine has 'auto'"):
         calibration().check_engine({**engine, "dtype": "auto"})
 

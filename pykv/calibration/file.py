@@ -131,8 +131,8 @@ class Calibration:
         mismatches = []
         for name in IDENTITY_FIELDS:
             mine, theirs = getattr(self, name), str(engine.get(name, "none") if name == "codec" else engine[name])
-            if name == "dtype" and mine == "auto":  # written where vLLM 26-31 named the KV dtype "auto": any
-                continue
+            if name == "dtype" and mine == "auto" and theirs in ("bfloat16", "float16"):
+                continue  # written where vLLM 26-31 named a model-dtype KV cache "auto"
             if mine != theirs:
                 reason = (f"calibrated for {mine!r}, this engine has {theirs!r}; run `pykv calibrate` for this "
                           f"engine, or set kv_connector_extra_config.breakeven_override=true to use it anyway")
