@@ -60,14 +60,12 @@ def load_estimate(read_gb_per_s: float | None, ratio: float, decode_gb_per_s: fl
     return reads if decode_gb_per_s is None else min(reads, decode_gb_per_s)
 
 
-def kv_like_bf16(nbytes: int, seed: int = 0, *, heads: int = 8, tokens: int = 16, head_dim: int = 128) -> bytes:
-    """``nbytes`` (even) of deterministic KV-like bf16: pages of [heads, tokens, 2, head_dim]
-    (vLLM's layout), Gaussian scaled per (page, head, K/V), a few K channels with outliers,
-    K's channel pairs rotated as RoPE does."""
+def kv_like(pages: int, heads: int = 8, tokens: int = 16, head_dim: int = 128, seed: int = 0):
+    """Deterministic KV-like float32 values, ``pages`` x [heads, tokens, 2, head_dim] flat (vLLM's
+    layout): Gaussian scaled per (page, head, K/V), a few K channels with outliers, K's channel
+    pairs rotated as RoPE does. (The codec tests draw their payloads from it too.)"""
     import torch
 
-    values = nbytes // 2
-    pages = -(-values // (heads * tokens * 2 * head_dim))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(pages, heads, tokens, 2, head_dim, generator=g)
     x *= torch.exp(torch.randn(pages, heads, 1, 2, 1, generator=g) * 0.7)
@@ -76,7 +74,17 @@ def kv_like_bf16(nbytes: int, seed: int = 0, *, heads: int = 8, tokens: int = 16
     k = x[:, :, :, 0]
     a, b = k[..., 0::2].clone(), k[..., 1::2].clone()
     k[..., 0::2], k[..., 1::2] = a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()
-    return x.reshape(-1)[:values].to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    return x.reshape(-1)
+
+
+def kv_like_bf16(nbytes: int, seed: int = 0, *, heads: int = 8, tokens: int = 16, head_dim: int = 128) -> bytes:
+    """``nbytes`` (even) of ``kv_like`` values in bf16 (whole pages, cut to length)."""
+    import torch
+
+    values = nbytes // 2
+    pages = -(-values // (heads * tokens * 2 * head_dim))
+    x = kv_like(pages, heads, tokens, head_dim, seed)
+    return x[:values].to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
 def _speed(nbytes: int, op: Callable[[], object], sync: Callable[[], object] = lambda: None,

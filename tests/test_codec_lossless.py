@@ -12,6 +12,7 @@ import torch
 import zstandard
 
 from pykv.codec import CodecError
+from pykv import bench_codecs
 from pykv.codec.lossless import PlanesZstdCodec
 
 CHUNK = 1 << 14  # small chunks: many table entries and frames in a small payload
@@ -22,17 +23,8 @@ def bf16_bytes(values: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> byt
 
 
 def kv_like(pages: int = 8, heads: int = 4, tokens: int = 16, head_dim: int = 64, seed: int = 0) -> torch.Tensor:
-    """Gaussian K/V scaled per (page, head, K/V), a few K channels with outliers, RoPE-like
-    rotation of K's channel pairs: pages x [heads, tokens, 2, head_dim] (vLLM LBHNC)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(pages, heads, tokens, 2, head_dim, generator=g)
-    x *= torch.exp(torch.randn(pages, heads, 1, 2, 1, generator=g) * 0.7)
-    x[:, :, :, 0, : head_dim // 16] *= 8
-    angle = torch.arange(tokens)[:, None] * 10000 ** (-torch.arange(head_dim // 2) / (head_dim // 2))
-    k = x[:, :, :, 0]
-    a, b = k[..., 0::2].clone(), k[..., 1::2].clone()
-    k[..., 0::2], k[..., 1::2] = a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()
-    return x.reshape(-1)
+    """``pykv.bench_codecs.kv_like`` with these tests' small default shape."""
+    return bench_codecs.kv_like(pages, heads, tokens, head_dim, seed)
 
 
 SAMPLES = {

@@ -9,7 +9,6 @@ too; the stream path ends each block once; ``device_codec_for`` picks the decode
 from __future__ import annotations
 
 import struct
-import threading
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
+from test_device_codec import Ends  # noqa: E402
 
 from pykv.codec.lossless import PlanesZstdCodec  # noqa: E402
 from pykv.config import PykvConfig  # noqa: E402
@@ -49,21 +49,6 @@ def payload_of(tensors, ids) -> bytes:
     slot = torch.zeros(RAW, dtype=torch.int8)
     TorchCopier(tensors, LAYOUT).to_slots([CopyTask(slot, 0, np.asarray(ids), 0)], lambda t, ok: None)
     return slot.numpy().tobytes()
-
-
-class Ends:
-    def __init__(self) -> None:
-        self.calls, self.cond = [], threading.Condition()
-
-    def __call__(self, task, ok, failure) -> None:
-        with self.cond:
-            self.calls.append((task, ok, failure))
-            self.cond.notify_all()
-
-    def wait(self, count: int) -> list:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.calls) >= count, timeout=10), self.calls
-            return list(self.calls)
 
 
 def decoder(tensors, frames=None, **kwargs) -> DevicePlanesZstd:

@@ -155,11 +155,11 @@ class PlanesZstdCodec(Codec):
                 restored.append(np.frombuffer(data, dtype=np.uint8))
             else:
                 plane = np.empty(plane_len, dtype=np.uint8)
-                self._inflate(data, plane)
+                self.inflate(data, plane)
                 restored.append(plane)
         planes.merge(out[start:start + size], restored, self.elem)
 
-    def _inflate(self, frame: memoryview, into: np.ndarray) -> None:
+    def inflate(self, frame: memoryview, into: np.ndarray) -> None:
         """Decode one zstd frame declaring exactly ``len(into)`` bytes into ``into``."""
         self.check_frame(frame, len(into))
         decompressor = getattr(self._contexts, "decompressor", None)

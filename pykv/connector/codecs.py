@@ -16,11 +16,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEVICE_CODECS = ("fp8",)
-"""Codecs the workers run on the KV cache's device only (``pykv.connector.device_codec``); the
-others encode on the codec threads (``pykv.codec.stage``), and ``planes-zstd`` may decode on the
-GPU (``device_codec_for``)."""
-
 
 def engine_codec(pykv: PykvConfig, kv_dtype: object = "bfloat16") -> Codec:
     """The codec this engine stores with (one codec object per process; its threads only change

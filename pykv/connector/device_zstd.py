@@ -53,7 +53,7 @@ class HostFrames:
     def decode(self, frames: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
         for frame, out in zip(frames, outputs):
             plane = np.empty(out.numel(), dtype=np.uint8)
-            self.codec._inflate(memoryview(frame.cpu().numpy()), plane)
+            self.codec.inflate(memoryview(frame.cpu().numpy()), plane)
             out.copy_(torch.from_numpy(plane))
         return torch.zeros((), dtype=torch.bool, device=outputs[0].device if outputs else "cpu")
 

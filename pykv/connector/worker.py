@@ -43,7 +43,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import DEVICE_CODECS, device_codec_for, engine_codec
+from pykv.connector.codecs import device_codec_for, engine_codec
 from pykv.connector.device_codec import CodedLoad
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
@@ -94,17 +94,19 @@ class PykvWorker(OffloadingWorker):
                             dram, self.rank, self.early_release, codec=codec.params)
         register, unregister = (cuda_host_register, cuda_host_unregister) if cuda else (None, None)
         self.store = BlockStore(pykv, shape, self, register=register, unregister=unregister)
-        self.codec_stage = None if codec.name in (NONE, *DEVICE_CODECS) else CodecStage(
-            codec, shape.slot_bytes, threads=pykv.codec_worker_threads(), register=register, unregister=unregister)
         self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
         self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]
-        self._scratch_tensors = [] if self.codec_stage is None else [
-            torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
         self.device_codec = device_codec_for(codec, pykv, self.copier, [
             self.layout.geometry(g).payload_length for g in range(len(self.layout.groups))])
+        # the codec threads encode what the device codec does not (planes-zstd; its loads too unless on the GPU)
+        on_threads = codec.name != NONE and (self.device_codec is None or not self.device_codec.encodes)
+        self.codec_stage = CodecStage(codec, shape.slot_bytes, threads=pykv.codec_worker_threads(), register=register,
+                                      unregister=unregister) if on_threads else None
+        self._scratch_tensors = [] if self.codec_stage is None else [
+            torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
                  type(self.copier).__name__, codec.params)
