@@ -586,3 +586,11 @@ def test_the_s1_report_lists_each_engines_loads_in_order_with_document_and_entri
     rows.append({"label": "pykv-stripe1-query", "length": 8192, "doc": 0, "ttft": 0.3, "worker_delta": {}})  # no load
     assert load_order_lines(rows) == ["pykv-stripe1-query L=81,920: doc 0 2.244 s (33, busiest 99%) / "
                                       "doc 0 2.687 s (443, busiest 99%) / doc 1 2.600 s (443, busiest 99%)"]
+
+
+def test_s1_stripe_variants_parse_names_and_keys_and_refuse_a_bare_name():
+    from h200bench.striping import stripe_variants
+    assert stripe_variants(["fp8:codec=fp8", "z:codec=planes-zstd;codec_decode=gpu"]) == [
+        ("fp8", {"codec": "fp8"}), ("z", {"codec": "planes-zstd", "codec_decode": "gpu"})]
+    with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
+        stripe_variants(["fp8"])

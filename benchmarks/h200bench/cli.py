@@ -110,6 +110,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="stages S1-S3: tear the devices down at the end (default: kept for the next command)")
     p.add_argument("--fs-threads", default="4,16,64",
                    help="stage S2: native fs tier read/write thread settings, one query engine each")
+    p.add_argument("--stripe-variant", action="append", metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+                   help="stage S1: only pykv's disk hits over the device set, one fill and one query engine per "
+                        "variant with its keys added to the defaults (e.g. fp8:codec=fp8); no bandwidth probe, "
+                        "no one-device control; repeatable")
     p.add_argument("--mbw-gib", type=float, default=2, help="stage S1: O_DIRECT probe file per device, GiB")
     p.add_argument("--mbw-repeat", type=int, default=2, help="stage S1: passes per O_DIRECT configuration")
     p.add_argument("--tp", type=int, default=2, help="stages T, T1, T2: tensor_parallel_size of the engines")

@@ -218,11 +218,28 @@ def calibrate(runner, mnts: list[str]) -> None:
 
 
 # -- stages -----------------------------------------------------------------------------------------------
+def stripe_variants(items: list[str]) -> list[tuple[str, dict]]:
+    """``--stripe-variant NAME:KEY=VALUE[;KEY=VALUE]`` items as (variant, keys)."""
+    variants = []
+    for item in items:
+        name, _, pairs = item.partition(":")
+        keys = dict(pair.split("=", 1) for pair in pairs.split(";") if "=" in pair)
+        if not name.strip() or not keys:
+            raise SystemExit(f"--stripe-variant {item!r}: expected NAME:KEY=VALUE[;KEY=VALUE]")
+        variants.append((name.strip(), {k.strip(): v.strip() for k, v in keys.items()}))
+    return variants
+
+
 def stage_s1(runner) -> None:
     runner.phase_env()
     mnts = devices(runner)
+    variants = stripe_variants(runner.a.stripe_variant or [])
     try:
         clear(runner, mnts)
+        if variants:  # only the disk hits of each variant (issue 38's codecs)
+            for variant, keys in variants:
+                pykv_disk_hits(runner, mnts, variant=variant, extra=keys)
+            return
         aggregate_bandwidth(runner, mnts)
         pykv_disk_hits(runner, mnts)
         if len(mnts) > 1:
