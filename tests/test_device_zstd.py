@@ -221,3 +221,45 @@ def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
     with pytest.raises(InputError, match="nvidia-nvcomp") as refused:
         NvcompFrames(torch.device("cuda", 0), None)
     assert "\n" not in str(refused.value)
+
+
+class _FakeNvcomp:
+    """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
+    ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``)."""
+
+    class BitstreamKind:
+        RAW = "raw"
+
+    class _Batch(list):
+        pass
+
+    class Codec:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs = kwargs
+
+        def decode(self, src):
+            if not isinstance(src, _FakeNvcomp._Batch):
+                raise TypeError("decode(): incompatible function arguments")
+            return [np.frombuffer(zstandard.ZstdDecompressor().decompress(bytes(frame.numpy())), dtype=np.uint8)
+                    for frame in src]
+
+    @staticmethod
+    def as_arrays(frames, cuda_stream=0):
+        return _FakeNvcomp._Batch(frames)
+
+
+def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, monkeypatch):
+    import sys
+    import types
+    package = types.ModuleType("nvidia")
+    package.nvcomp = _FakeNvcomp
+    monkeypatch.setitem(sys.modules, "nvidia", package)
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", _FakeNvcomp)
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    payload = payload_of(tensors, [3, 4])
+    ok, failure, _ = load(device, CODEC.encode(payload), [5, 6])
+    assert ok and failure is None
+    assert payload_of(device.copier.tensors, [5, 6]) == payload
+    device.close()

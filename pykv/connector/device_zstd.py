@@ -74,7 +74,8 @@ class NvcompFrames:
         self._nvcomp = nvcomp
 
     def decode(self, frames: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        arrays = [self._nvcomp.as_array(frame, cuda_stream=self._stream) for frame in frames]
+        # one batch (as_arrays): nvCOMP 6's decode takes an Array or such a batch, not a list of Arrays
+        arrays = self._nvcomp.as_arrays(list(frames), cuda_stream=self._stream)
         bad = torch.zeros((), dtype=torch.bool, device=outputs[0].device)
         for out, array in zip(outputs, self._codec.decode(arrays)):
             decoded = torch.as_tensor(array, device=out.device).view(torch.uint8).reshape(-1)
