@@ -4,7 +4,8 @@ The Llama-3.2-3B shape as vLLM 0.26 lays it out with FLASH_ATTN: 28 per-layer KV
 64 KiB pages (16 tokens x 8 heads x 128 values, K and V), 16 GPU blocks per storage block
 (29.4 MB of payload). Random bf16 KV (a few outliers) in ``--chunks`` x 16 GPU blocks:
 ``store`` every storage block into page-locked slots, then ``load`` them into other GPU blocks.
-Checks: each slot holds exactly what the CPU codec (``Fp8Codec.encode``) writes for that block's
+Each with ``--steps`` (1 block per device step, and the codec's own), loading into consecutive
+and then scattered GPU blocks. Checks: each slot holds exactly what the CPU codec (``Fp8Codec.encode``) writes for that block's
 payload, and the loaded GPU blocks hold exactly the CPU round trip. Prints store and load GB/s of
 KV (payload bytes per second) and one JSON line to ``--out``.
 
@@ -32,7 +33,7 @@ LAYER_PAGE = 65_536
 BPC = 16
 
 
-def run(chunks: int, check: int, cuda: bool = True) -> dict:
+def run(chunks: int, check: int, cuda: bool = True, step_blocks: int | None = None, scatter: bool = False) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     blocks = 2 * chunks * BPC
     generator = torch.Generator(device=device).manual_seed(38)
@@ -45,7 +46,7 @@ def run(chunks: int, check: int, cuda: bool = True) -> dict:
     raw = LAYERS * LAYER_PAGE * BPC
     codec = Fp8Codec("bfloat16")
     copier = CudaCopier(tensors, layout) if cuda else TorchCopier(tensors, layout)
-    fp8 = DeviceFp8(codec, copier, [raw])
+    fp8 = DeviceFp8(codec, copier, [raw], step_blocks=step_blocks)
     pool = StagingPool(raw, chunks, register=cuda_host_register if cuda else None,
                        unregister=cuda_host_unregister if cuda else None)
     slots = [torch.frombuffer(pool.view(s), dtype=torch.int8)[:raw] for s in range(chunks)]
@@ -71,6 +72,9 @@ def run(chunks: int, check: int, cuda: bool = True) -> dict:
     assert all(ok for _, ok, _ in stored), "a store failed"
     lengths = {task.token: n for task, _, n in stored}
     target_ids = [ids + chunks * BPC for ids in source_ids]
+    if scatter:  # a second hit's GPU blocks: not one run of consecutive ids
+        order = np.random.default_rng(38).permutation(chunks * BPC) + chunks * BPC
+        target_ids = [order[c * BPC:(c + 1) * BPC] for c in range(chunks)]
     loads = [CodedLoad(CopyTask(slots[c][:lengths[c]], 0, target_ids[c], 0, token=c), raw, codec.params)
              for c in range(chunks)]
     load_s, loaded = wait_all(lambda done: fp8.load(loads, done), chunks)
@@ -93,7 +97,8 @@ def run(chunks: int, check: int, cuda: bool = True) -> dict:
     fp8.close()
     copier.close()
     slots.clear()
-    result = {"chunks": chunks, "payload_bytes": raw, "stored_bytes": lengths[0],
+    result = {"chunks": chunks, "step_blocks": fp8.step_blocks, "scatter": scatter, "payload_bytes": raw,
+              "stored_bytes": lengths[0],
               "store_s": round(store_s, 4), "load_s": round(load_s, 4),
               "store_gbps": round(chunks * raw / store_s / 1e9, 2), "load_gbps": round(chunks * raw / load_s / 1e9, 2),
               "checked": min(check, chunks), "mismatched": mismatched}
@@ -107,15 +112,20 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=6, help="blocks compared byte for byte with the CPU codec")
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke test of this script on the CPU")
+    parser.add_argument("--steps", default="1,0", help="step_blocks to compare side by side (0: the codec's own)")
     args = parser.parse_args()
     run(2, 2, not args.cpu)  # warm-up (allocator, kernels)
-    result = run(args.chunks, args.check, not args.cpu)
-    print(f"fp8 on {'cpu' if args.cpu else torch.cuda.get_device_name()}: {args.chunks} blocks of {result['payload_bytes']} bytes "
-          f"(stored {result['stored_bytes']}): store {result['store_gbps']} GB/s, load {result['load_gbps']} GB/s "
-          f"of KV; {result['checked']} checked against the CPU codec, mismatched: {result['mismatched'] or 'none'}")
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps({"kind": "fp8_check", **result}) + "\n")
+    for scatter in (False, True):
+        for step in (int(x) for x in args.steps.split(",")):
+            result = run(args.chunks, args.check, not args.cpu, step or None, scatter)
+            print(f"fp8 on {'cpu' if args.cpu else torch.cuda.get_device_name()}: {args.chunks} blocks of "
+                  f"{result['payload_bytes']} bytes (stored {result['stored_bytes']}), {result['step_blocks']} per "
+                  f"step, {'scattered' if scatter else 'consecutive'} GPU blocks: store {result['store_gbps']} GB/s, "
+                  f"load {result['load_gbps']} GB/s of KV; {result['checked']} checked against the CPU codec, "
+                  f"mismatched: {result['mismatched'] or 'none'}")
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps({"kind": "fp8_check", **result}) + "\n")
 
 
 if __name__ == "__main__":

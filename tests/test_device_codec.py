@@ -201,3 +201,64 @@ def test_the_stream_path_ends_every_block_once_with_the_same_bytes(tensors, fake
             continue
         assert slot.numpy().tobytes()[:CODEC.stored_length(RAW)] == CODEC.encode(gathered(reference, pair))
     assert not any(t.is_alive() for t in device._threads)
+
+
+def _loads(blocks, raw=RAW):
+    """(CodedLoad, Ends) for each (stored bytes, gpu ids) of ``blocks``, one Ends for all."""
+    ends = Ends()
+    loads = [CodedLoad(CopyTask(torch.frombuffer(bytearray(stored), dtype=torch.int8), 0, np.asarray(ids), 0,
+                                token=i), raw, CODEC.params) for i, (stored, ids) in enumerate(blocks)]
+    return loads, ends
+
+
+def test_a_step_of_several_loads_writes_each_round_trip_and_fails_only_the_hostile_block(tensors):
+    """Several loads decoded in one step (one dequantize over all rows, one scatter): each good
+    block's rows get its own round trip; a block with a scale the encoder never writes fails
+    alone, by its own flag (its rows, written in the same scatter, are recomputed by vLLM as
+    for any failed load)."""
+    from pykv.connector.device_codec import _Work
+    device = DeviceFp8(CODEC, TorchCopier(tensors, LAYOUT), [RAW], step_blocks=4)
+    sources = [gathered(kv_tensors(seed=10 + i), [0, 1]) for i in range(4)]
+    blocks = [(CODEC.encode(p), [2 * i + 6, 2 * i + 7]) for i, p in enumerate(sources)]
+    hostile = bytearray(blocks[2][0])
+    hostile[0] = 255  # group 0's scale: E8M0's NaN
+    blocks[2] = (bytes(hostile), blocks[2][1])
+    before = [t.clone() for t in tensors]
+    loads, ends = _loads(blocks)
+    device._run_now([_Work(False, load, ends) for load in loads])
+    calls = {task.token: (ok, failure) for task, ok, failure in ends.wait(4)}
+    assert [calls[i][0] for i in range(4)] == [True, True, False, True]
+    assert calls[2][1].step is Step.CHECK
+    for i, source in enumerate(sources):
+        if i != 2:
+            assert gathered(tensors, blocks[i][1]) == CODEC.decode_bytes(CODEC.encode(source), RAW)
+    assert gathered(tensors, [0, 1]) == gathered(before, [0, 1])  # rows of no load untouched
+    device.close()
+
+
+def test_a_step_takes_the_queued_loads_of_one_length_and_leaves_the_rest(tensors):
+    from pykv.connector.device_codec import _Work
+    device = DeviceFp8(CODEC, TorchCopier(tensors, LAYOUT), [RAW, 2 * RAW], step_blocks=3)
+    device.close()
+    stored = CODEC.encode(bytes(RAW))
+    loads, ends = _loads([(stored, [0, 1])] * 5)
+    works = [_Work(False, load, ends) for load in loads]
+    longer = _Work(False, CodedLoad(loads[0].task, 2 * RAW, CODEC.params), ends)
+    store = _Work(True, CopyTask(torch.zeros(RAW, dtype=torch.int8), 0, np.asarray([0, 1]), 0), ends)
+    for work in [*works[:4], longer, store, works[4], None]:
+        device._queued.put(work)
+    assert device._take() == works[:3]  # step_blocks at most
+    assert device._take() == [works[3]]  # another length ends the step
+    assert device._take() == [longer]
+    assert device._take() == [store]  # a store is a step of its own
+    assert device._take() == [works[4]]
+    assert device._take() is None
+
+
+def test_step_blocks_follow_the_scratch_bound():
+    from pykv.connector.device_codec import MAX_STEP_BLOCKS, STEP_BYTES
+    tensors = kv_tensors()
+    assert DeviceFp8(CODEC, TorchCopier(tensors, LAYOUT), [RAW]).step_blocks == MAX_STEP_BLOCKS  # small blocks
+    big = STEP_BYTES // 3 // 128 * 128
+    device = DeviceFp8(CODEC, TorchCopier(tensors, LAYOUT), [big])
+    assert device.step_blocks == 3 and device.payload.numel() == 3 * big

@@ -263,3 +263,28 @@ def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, 
     assert ok and failure is None
     assert payload_of(device.copier.tensors, [5, 6]) == payload
     device.close()
+
+
+@pytest.mark.parametrize("case", ["table-zero", "frame-corrupt"])
+def test_a_step_of_several_loads_fails_only_the_block_its_decoder_refuses(tensors, case):
+    """Three loads in one step (one frame-decoder call): a block refused on the host (its table)
+    or by the frame decoder makes the step raise; issued again block by block, only that block
+    fails (Step.CHECK, its rows untouched) and the others load bit-exact."""
+    from pykv.connector.device_codec import _Work
+    device = decoder(tensors, step_blocks=3)
+    payloads = [payload_of(kv_tensors(20 + i), [0, 1]) for i in range(3)]
+    stored = [CODEC.encode(p) for p in payloads]
+    stored[1] = hostile(case, stored[1])[0]
+    ids = [[6, 7], [8, 9], [10, 11]]
+    before = [t.clone() for t in tensors]
+    ends = Ends()
+    works = [_Work(False, CodedLoad(CopyTask(torch.frombuffer(bytearray(s), dtype=torch.int8), 0, np.asarray(i), 0,
+                                             token=n), RAW, CODEC.params), ends)
+             for n, (s, i) in enumerate(zip(stored, ids))]
+    device._run_now(works)
+    calls = {task.token: (ok, failure) for task, ok, failure in ends.wait(3)}
+    assert [calls[n][0] for n in range(3)] == [True, False, True]
+    assert calls[1][1].step is Step.CHECK
+    assert payload_of(tensors, ids[0]) == payloads[0] and payload_of(tensors, ids[2]) == payloads[2]
+    assert payload_of(tensors, ids[1]) == payload_of(before, ids[1])
+    device.close()

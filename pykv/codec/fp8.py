@@ -81,12 +81,26 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, gro
     bf16/fp16, ``codes.numel()`` values) on their device. Returns a 0-d bool tensor: True if a
     scale is outside ``MIN_EXPONENT..`` the dtype's ``max_exponent``, or a code is NaN (the
     encoder writes neither). Nothing waits for the device."""
+    return dequantize_rows(codes.reshape(1, -1), scales.reshape(1, -1), out.reshape(1, -1), group)[0]
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, group: int) -> torch.Tensor:
+    """``dequantize`` of each row of 2-d ``codes``, ``scales`` and ``out`` (one block per row) in
+    one pass; returns a bool tensor of one flag per row. bf16 is decoded in place in ``out``
+    (e4m3 and ``2**k`` are exact in bf16 and the product is rounded once, as through float32);
+    fp16, whose range lacks the small scales, through a float32 temporary."""
+    rows = codes.shape[0]
     exponent = scales.to(torch.int32) - SCALE_BIAS
-    bad = ~((exponent >= MIN_EXPONENT) & (exponent <= max_exponent(out.dtype))).all()
-    bad |= ((codes & 0x7F) == 0x7F).any()
-    scale = _power_of_two(exponent.clamp(MIN_EXPONENT, MAX_EXPONENT)).reshape(-1, 1)
-    x = codes.view(torch.float8_e4m3fn).reshape(-1, group).float()
-    out.view(-1, group).copy_(x.mul_(scale))
+    bad = ~((exponent >= MIN_EXPONENT) & (exponent <= max_exponent(out.dtype))).all(dim=1)
+    bad |= ((codes & 0x7F) == 0x7F).any(dim=1)
+    scale = _power_of_two(exponent.clamp(MIN_EXPONENT, MAX_EXPONENT)).reshape(rows, -1, 1)
+    values = codes.view(torch.float8_e4m3fn).reshape(rows, -1, group)
+    target = out.view(rows, -1, group)
+    if out.dtype == torch.bfloat16:
+        target.copy_(values)
+        target.mul_(scale.to(torch.bfloat16))
+    else:
+        target.copy_(values.float().mul_(scale))
     return bad
 
 
@@ -164,6 +178,13 @@ def _tensor(view: memoryview) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we do not write it
         return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def decode_rows(stored: torch.Tensor, out: torch.Tensor, codec: Fp8Codec) -> torch.Tensor:
+    """``decode_tensor`` of each row of 2-d uint8 ``stored`` into the same row of 2-d uint8
+    ``out`` (one block per row, all of one length); one bad-input flag per row."""
+    head = codec.scale_bytes(out.shape[1])
+    return dequantize_rows(stored[:, head:], stored[:, :head], out.view(codec.torch_dtype), codec.group)
 
 
 def decode_tensor(stored: torch.Tensor, out: torch.Tensor, codec: Fp8Codec) -> torch.Tensor:

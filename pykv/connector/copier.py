@@ -124,7 +124,12 @@ class TorchCopier:
     def copy_device_payload(self, task: CopyTask, *, to_slot: bool) -> object:
         """Copy ``task`` between the KV blocks and a payload on the KV's own device (a device
         codec's scratch), queued on the current stream; returns what must live until it ends."""
-        self._copy(task, to_slot=to_slot)
+        return self.copy_device_payloads([task], to_slot=to_slot)
+
+    def copy_device_payloads(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
+        """``copy_device_payload`` of several tasks at once."""
+        for task in tasks:
+            self._copy(task, to_slot=to_slot)
         return None
 
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
@@ -281,10 +286,10 @@ class CudaCopier(TorchCopier):
         self.stats["h2d_queued_us"] += int((issuing - called) * 1e6)
         self._pending.put((tasks, dones, event, keep, (began, called)))
 
-    def copy_device_payload(self, task: CopyTask, *, to_slot: bool) -> object:
-        """As ``TorchCopier``'s, with the batched op; the payload is written by device work queued
-        before the copy, so the copy reads it in stream order."""
-        return self._issue([task], to_slot=to_slot, source_in_order=True)
+    def copy_device_payloads(self, tasks: Sequence[CopyTask], *, to_slot: bool) -> object:
+        """As ``TorchCopier``'s, with the batched op (one call for all tasks); the payloads are
+        written by device work queued before the copy, so the copy reads them in stream order."""
+        return self._issue(tasks, to_slot=to_slot, source_in_order=True)
 
     def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool, source_in_order: bool = False) -> object:
         """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.

@@ -6,13 +6,16 @@ stored bytes to the device, dequantizes them into the payload and copies its pag
 cache blocks. ``planes-zstd`` decodes loads on the GPU the same way (``device_zstd``). A load
 never changes the slot, so a DRAM-tier slot serves every later hit.
 
-On CUDA one thread issues every block's work on one stream, in order, so the device scratch
-(one payload, one stored block) is reused in stream order and nothing waits for the device
-while issuing; a poller thread waits for each block's event, then reads the block's bad-input
-flag, a page-locked byte the device wrote: NaN or infinite KV fails a store, bytes the encoder
-never writes fail a load (``Step.CHECK``: a miss, recomputed and quarantined), as does a
-``CodecError`` found on the host before any device work. On the CPU platform the same steps
-run on one thread of their own, block after block (never on the reactor's thread).
+On CUDA one thread issues the work on one stream, in order, one step at a time: a store, or
+up to ``step_blocks`` loads of one length that are queued at that moment (one copy call, one
+decode and one scatter for them all), so the device scratch (``step_blocks`` payloads and
+stored blocks, bounded by ``STEP_BYTES``) is reused in stream order and nothing waits for the
+device while issuing; a poller thread waits for each step's event, then reads each block's
+bad-input flag, a page-locked byte the device wrote: NaN or infinite KV fails a store, bytes
+the encoder never writes fail a load (``Step.CHECK``: a miss, recomputed and quarantined), as
+does a ``CodecError`` found on the host before any device work. A step that raises is issued
+again block by block, so only the guilty block fails. On the CPU platform the same steps run on
+one thread of their own (never on the reactor's thread).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from pykv.codec.base import CodecError
-from pykv.codec.fp8 import Fp8Codec, decode_tensor, quantize
+from pykv.codec.fp8 import Fp8Codec, decode_rows, quantize
 from pykv.errors import InputError
 from pykv.failures import BlockFailure, Step
 
@@ -38,7 +41,12 @@ StoreDone = Callable[[CopyTask, bool, "int | None"], None]
 """``done(task, ok, stored)``: ``stored`` bytes of the coded payload at the start of the slot's payload."""
 LoadDone = Callable[[CopyTask, bool, "BlockFailure | None"], None]
 FLAGS = 64
-"""Blocks in flight on the device at most (each holds one page-locked flag byte until it is read)."""
+"""Steps in flight on the device at most (each holds a row of page-locked flag bytes until it is read)."""
+STEP_BYTES = 256 << 20
+"""Raw payload bytes one load step decodes at most (``DeviceCodec.step_blocks``): the scratch on
+the KV's device is this much payload plus its stored bytes."""
+MAX_STEP_BLOCKS = 16
+_NOTHING = object()
 Issued = tuple[torch.Tensor, "int | None", object]
 """What a block's device work left: its bad-input flag, a store's stored length, what must live
 until the stream passes it."""
@@ -72,19 +80,25 @@ class DeviceCodec:
 
     name = "codec"
     encodes = True  # False: stores are encoded on the codec threads, only loads come here
+    step_bytes = STEP_BYTES
 
-    def __init__(self, params: str, copier: TorchCopier, largest_payload: int, *, streams: bool | None = None) -> None:
+    def __init__(self, params: str, copier: TorchCopier, largest_payload: int, *, streams: bool | None = None,
+                 step_blocks: int | None = None) -> None:
         self.params, self.copier = params, copier
         self.device = copier.tensors[0].device
-        self.payload = torch.empty(largest_payload, dtype=torch.int8, device=self.device)
+        self.largest = largest_payload
+        self.step_blocks = step_blocks or max(1, min(MAX_STEP_BLOCKS, self.step_bytes // max(largest_payload, 1)))
+        self.payload = torch.empty(largest_payload * self.step_blocks, dtype=torch.int8, device=self.device)
         self.cuda = self.device.type == "cuda" if streams is None else streams  # (tests: fake streams on the CPU)
+        self._held = _NOTHING  # a work taken from the queue that does not fit the step being built
         if not self.cuda:  # the CPU platform: one thread does each block's work in turn (never the reactor's)
             self._queued = queue.Queue()
             self._threads = [threading.Thread(target=self._run_queued, name=f"pykv-{self.name}-cpu", daemon=True)]
             self._threads[0].start()
         else:
             self._stream = torch.cuda.Stream(device=self.device)
-            self._flags = torch.zeros(FLAGS, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+            self._flags = torch.zeros((FLAGS, self.step_blocks), dtype=torch.bool,
+                                      pin_memory=self.device.type == "cuda")
             self._free_flags = threading.Semaphore(FLAGS)
             self._next_flag = 0
             self._queued: queue.Queue = queue.Queue()
@@ -119,7 +133,7 @@ class DeviceCodec:
         """Why this load cannot be one of ours (checked before any device work), or None."""
         if load.params != self.params:
             return f"a block of codec {load.params}, this engine's is {self.params}"
-        if not 0 < load.raw_length <= self.payload.numel():
+        if not 0 < load.raw_length <= self.largest:
             return f"a coded block of {load.raw_length} raw bytes"
         return None
 
@@ -129,15 +143,50 @@ class DeviceCodec:
     def _decode(self, load: CodedLoad) -> Issued:
         raise NotImplementedError
 
+    def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
+        """Several loads of one raw length at once: (one bad-input flag per load, what must live
+        until the stream passes it). This default decodes them one after the other."""
+        issued = [self._decode(load) for load in loads]
+        return torch.stack([bad.reshape(()) for bad, _, _ in issued]), [keep for _, _, keep in issued]
+
     def _into_kv(self, load: CodedLoad) -> object:
         """The decoded payload's pages into the load's KV blocks (after the decode, in stream order)."""
-        task = load.task
-        raw = self.payload[:load.raw_length]
-        return self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=False)
+        return self._into_kv_rows([load])
 
-    # -- ending a block ----------------------------------------------------------------------------
-    def _run(self, work: _Work) -> Issued:
-        return self._encode(work.item) if work.store else self._decode(work.item)
+    def _into_kv_rows(self, loads: Sequence[CodedLoad]) -> object:
+        """Row i of the scratch payload (the decoded payload of ``loads[i]``, all of one length)
+        into that load's KV blocks: one copy call for them all."""
+        raw = loads[0].raw_length
+        tasks = [CopyTask(self.payload[i * raw:(i + 1) * raw], load.task.group, load.task.gpu_ids, load.task.skip)
+                 for i, load in enumerate(loads)]
+        return self.copier.copy_device_payloads(tasks, to_slot=False)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _take(self) -> list[_Work] | None:
+        """The next step: a store, or the loads of one raw length queued now (``step_blocks`` at
+        most); None once closed."""
+        work, self._held = (self._queued.get() if self._held is _NOTHING else self._held), _NOTHING
+        if work is None:
+            return None
+        step = [work]
+        while not work.store and len(step) < self.step_blocks:
+            try:
+                later = self._queued.get_nowait()
+            except queue.Empty:
+                break
+            if later is None or later.store or later.item.raw_length != work.item.raw_length:
+                self._held = later
+                break
+            step.append(later)
+        return step
+
+    def _run(self, works: Sequence[_Work]) -> tuple[torch.Tensor, int | None, object]:
+        """A step's device work: (one bad-input flag per work, a store's stored length, keep)."""
+        if works[0].store:
+            bad, stored, keep = self._encode(works[0].item)
+            return bad.reshape(1), stored, keep
+        bad, keep = self._decode_step([work.item for work in works])
+        return bad, None, keep
 
     def _finish(self, work: _Work, bad: bool, stored: int | None) -> None:
         if not work.store:
@@ -165,60 +214,79 @@ class DeviceCodec:
         self._queued.put(work)
 
     def _run_queued(self) -> None:
-        """The CPU platform's thread: each block's work, then its end."""
+        """The CPU platform's thread: each step's work, then its blocks' ends."""
         while True:
-            work = self._queued.get()
-            if work is None:
+            works = self._take()
+            if works is None:
                 return
-            try:
-                bad, stored, _ = self._run(work)
-                failed = bool(bad)
-            except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
-                self._fail(work, error)
-                continue
-            self._finish(work, failed, stored)
+            self._run_now(works)
+
+    def _run_now(self, works: Sequence[_Work]) -> None:
+        try:
+            bad, stored, _ = self._run(works)
+            flags = bad.tolist()
+        except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
+            if len(works) > 1:  # again block by block: only the guilty one fails
+                for work in works:
+                    self._run_now([work])
+            else:
+                self._fail(works[0], error)
+            return
+        for work, flag in zip(works, flags):
+            self._finish(work, flag, stored)
 
     # -- CUDA --------------------------------------------------------------------------------------
     def _issue_queued(self) -> None:
         torch.cuda.set_device(self.device)
         while True:
-            work = self._queued.get()
-            if work is None:
+            works = self._take()
+            if works is None:
                 self._pending.put(None)
                 return
-            self._free_flags.acquire()
-            index, self._next_flag = self._next_flag, (self._next_flag + 1) % FLAGS
-            try:
-                if work.task.after is not None:
-                    self._stream.wait_event(work.task.after)
-                else:
-                    self._stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._stream):
-                    bad, stored, keep = self._run(work)
-                    self._flags[index].copy_(bad, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-            except Exception as error:  # noqa: BLE001
-                self._free_flags.release()
-                self._fail(work, error)
-                continue
-            self._pending.put((work, index, stored, event, keep))
+            self._issue(works)
+
+    def _issue(self, works: Sequence[_Work]) -> None:
+        """One step on the stream after what its blocks wait for; its event and flag row to the poller."""
+        self._free_flags.acquire()
+        index, self._next_flag = self._next_flag, (self._next_flag + 1) % FLAGS
+        try:
+            afters = {id(w.task.after): w.task.after for w in works if w.task.after is not None}
+            for event in afters.values():
+                self._stream.wait_event(event)
+            if any(w.task.after is None for w in works):
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                bad, stored, keep = self._run(works)
+                self._flags[index, :len(works)].copy_(bad, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        except Exception as error:  # noqa: BLE001
+            self._free_flags.release()
+            if len(works) > 1:  # again block by block: only the guilty one fails
+                for work in works:
+                    self._issue([work])
+            else:
+                self._fail(works[0], error)
+            return
+        self._pending.put((works, index, stored, event, keep))
 
     def _poll(self) -> None:
         while True:
             item = self._pending.get()
             if item is None:
                 return
-            work, index, stored, event, _keep = item
+            works, index, stored, event, _keep = item
             try:
                 event.synchronize()
-                bad = bool(self._flags[index])
+                flags = self._flags[index, :len(works)].tolist()
             except Exception as error:  # noqa: BLE001
                 self._free_flags.release()
-                self._fail(work, error)
+                for work in works:
+                    self._fail(work, error)
                 continue
             self._free_flags.release()
-            self._finish(work, bad, stored)
+            for work, flag in zip(works, flags):
+                self._finish(work, flag, stored)
 
 
 class DeviceFp8(DeviceCodec):
@@ -228,15 +296,16 @@ class DeviceFp8(DeviceCodec):
     name = "fp8"
 
     def __init__(self, codec: Fp8Codec, copier: TorchCopier, payload_lengths: Sequence[int], *,
-                 streams: bool | None = None) -> None:
+                 streams: bool | None = None, step_blocks: int | None = None) -> None:
         for length in payload_lengths:
             if length % (2 * codec.group):
                 raise InputError(f"codec fp8: a storage block of {length} bytes is not whole groups of "
                                  f"{codec.group} values; use codec none or planes-zstd for this model")
         largest = max(payload_lengths, default=0)
-        super().__init__(codec.params, copier, largest, streams=streams)
+        super().__init__(codec.params, copier, largest, streams=streams, step_blocks=step_blocks)
         self.codec = codec
-        self._stored = torch.empty(codec.stored_length(largest), dtype=torch.uint8, device=self.device)
+        self._stored = torch.empty(codec.stored_length(largest) * self.step_blocks, dtype=torch.uint8,
+                                   device=self.device)
 
     def _refusal(self, load: CodedLoad) -> str | None:
         refused = super()._refusal(load)
@@ -257,7 +326,16 @@ class DeviceFp8(DeviceCodec):
         return bad, head + codes.numel(), (keep, codes, scales)
 
     def _decode(self, load: CodedLoad) -> Issued:
-        stored = self._stored[:load.task.payload.numel()]
-        stored.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
-        bad = decode_tensor(stored, self.payload[:load.raw_length].view(torch.uint8), self.codec)
-        return bad, None, self._into_kv(load)
+        bad, keep = self._decode_step([load])
+        return bad[0], None, keep
+
+    def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
+        """The loads' stored bytes into rows of the stored scratch, one dequantize over all rows,
+        one scatter of the payload rows into the KV blocks."""
+        count, raw = len(loads), loads[0].raw_length
+        length = self.codec.stored_length(raw)
+        stored = self._stored[:count * length].view(count, length)
+        for row, load in zip(stored, loads):
+            row.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
+        bad = decode_rows(stored, self.payload[:count * raw].view(torch.uint8).view(count, raw), self.codec)
+        return bad, self._into_kv_rows(loads)

@@ -27,7 +27,7 @@ from pykv.codec.lossless import PlanesZstdCodec
 from pykv.errors import InputError
 
 from pykv.connector.copier import TorchCopier
-from pykv.connector.device_codec import CodedLoad, DeviceCodec, Issued
+from pykv.connector.device_codec import STEP_BYTES, CodedLoad, DeviceCodec, Issued
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +92,19 @@ class DevicePlanesZstd(DeviceCodec):
 
     name = "planes-zstd"
     encodes = False
+    step_bytes = STEP_BYTES // 2  # its scratch is three times the payload (stored, planes, payload)
 
     def __init__(self, codec: PlanesZstdCodec, copier: TorchCopier, largest_payload: int,
-                 frames: FrameDecoder | None = None, *, streams: bool | None = None) -> None:
+                 frames: FrameDecoder | None = None, *, streams: bool | None = None,
+                 step_blocks: int | None = None) -> None:
         if codec.elem != 2:
             raise InputError(f"codec planes-zstd decodes on the GPU 2-byte values only, not {codec.elem}-byte")
-        super().__init__(codec.params, copier, largest_payload, streams=streams)
+        super().__init__(codec.params, copier, largest_payload, streams=streams, step_blocks=step_blocks)
         self.codec = codec
         self.frames = frames if frames is not None else NvcompFrames(self.device, getattr(self, "_stream", None))
-        self._stored = torch.empty(codec.encoded_bound(largest_payload), dtype=torch.uint8, device=self.device)
-        self._planes = torch.empty(largest_payload, dtype=torch.uint8, device=self.device)
+        self._stored_row = codec.encoded_bound(largest_payload)
+        self._stored = torch.empty(self._stored_row * self.step_blocks, dtype=torch.uint8, device=self.device)
+        self._planes = torch.empty(largest_payload * self.step_blocks, dtype=torch.uint8, device=self.device)
 
     def self_test(self) -> None:
         """Decode one frame of known bytes with the frame decoder and compare (engine start):
@@ -125,28 +128,39 @@ class DevicePlanesZstd(DeviceCodec):
 
     def _refusal(self, load: CodedLoad) -> str | None:
         refused = super()._refusal(load)
-        if refused is None and (load.raw_length % 2 or load.task.payload.numel() > self._stored.numel()):
+        if refused is None and (load.raw_length % 2 or load.task.payload.numel() > self._stored_row):
             return f"{load.task.payload.numel()} stored bytes for {load.raw_length} raw"
         return refused
 
     def _decode(self, load: CodedLoad) -> Issued:
-        host = load.task.payload.view(torch.uint8).numpy()  # the page-locked slot: read in place
-        raw, half = load.raw_length, load.raw_length // 2
-        chunks = self.codec.plane_spans(host, raw)
-        stored = self._stored[:host.size]
-        stored.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
+        bad, keep = self._decode_step([load])
+        return bad[0], None, keep
+
+    def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
+        """Every zstd frame of the loads in one call of the frame decoder (raw planes copied),
+        the planes of all rows interleaved at once, one scatter into the KV blocks. A frame
+        decoder's bad flag fails every load of the step."""
+        count, raw = len(loads), loads[0].raw_length
+        half = raw // 2
         frames, outputs = [], []
-        for start, size, spans in chunks:
-            for plane, (position, length) in enumerate(spans):
-                into = self._planes[plane * half + start // 2:plane * half + (start + size) // 2]
-                if length == size // 2:
-                    into.copy_(stored[position:position + length], non_blocking=self.cuda)
-                else:
-                    self.codec.check_frame(host[position:position + length], size // 2)
-                    frames.append(stored[position:position + length])
-                    outputs.append(into)
+        for row, load in enumerate(loads):
+            host = load.task.payload.view(torch.uint8).numpy()  # the page-locked slot: read in place
+            chunks = self.codec.plane_spans(host, raw)
+            stored = self._stored[row * self._stored_row:row * self._stored_row + host.size]
+            stored.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
+            planes = self._planes[row * raw:(row + 1) * raw]
+            for start, size, spans in chunks:
+                for plane, (position, length) in enumerate(spans):
+                    into = planes[plane * half + start // 2:plane * half + (start + size) // 2]
+                    if length == size // 2:
+                        into.copy_(stored[position:position + length], non_blocking=self.cuda)
+                    else:
+                        self.codec.check_frame(host[position:position + length], size // 2)
+                        frames.append(stored[position:position + length])
+                        outputs.append(into)
         bad = self.frames.decode(frames, outputs) if frames else torch.zeros((), dtype=torch.bool, device=self.device)
-        values = self.payload[:raw].view(torch.uint8).view(half, 2)
-        values[:, 0].copy_(self._planes[:half])
-        values[:, 1].copy_(self._planes[half:raw])
-        return bad, None, (self._into_kv(load), frames)
+        values = self.payload[:count * raw].view(torch.uint8).view(count, half, 2)
+        planes = self._planes[:count * raw].view(count, 2, half)
+        values[:, :, 0].copy_(planes[:, 0])
+        values[:, :, 1].copy_(planes[:, 1])
+        return bad.reshape(1).expand(count), (self._into_kv_rows(loads), frames)
