@@ -149,13 +149,9 @@ class DeviceCodec:
         issued = [self._decode(load) for load in loads]
         return torch.stack([bad.reshape(()) for bad, _, _ in issued]), [keep for _, _, keep in issued]
 
-    def _into_kv(self, load: CodedLoad) -> object:
-        """The decoded payload's pages into the load's KV blocks (after the decode, in stream order)."""
-        return self._into_kv_rows([load])
-
     def _into_kv_rows(self, loads: Sequence[CodedLoad]) -> object:
         """Row i of the scratch payload (the decoded payload of ``loads[i]``, all of one length)
-        into that load's KV blocks: one copy call for them all."""
+        into that load's KV blocks, after the decode in stream order: one copy call for them all."""
         raw = loads[0].raw_length
         tasks = [CopyTask(self.payload[i * raw:(i + 1) * raw], load.task.group, load.task.gpu_ids, load.task.skip)
                  for i, load in enumerate(loads)]

@@ -1,10 +1,10 @@
 """``planes-zstd`` loads decoded on the GPU (``codec_decode``: ``gpu``, or ``auto`` where nvCOMP works).
 
 The stored bytes go to the device as they are (about 0.68 of the KV's bytes over PCIe); every
-zstd frame of the block is decoded in one call of a frame decoder (nvCOMP's batched zstd) into
-a device buffer of planes, raw planes are copied there, the planes are interleaved into the
-payload (byte 0 of each value from plane 0, byte 1 from plane 1) and the payload's pages go to
-the KV blocks device to device. The host reads only the block's table and each frame's header
+zstd frame of a step's blocks (``DeviceCodec``: the loads queued at once) is decoded in one call
+of a frame decoder (nvCOMP's batched zstd) into a device buffer of planes, raw planes are copied
+there, the planes are interleaved into the payloads (byte 0 of each value from plane 0, byte 1
+from plane 1) and the payloads' pages go to the KV blocks device to device. The host reads only the block's table and each frame's header
 (``PlanesZstdCodec.plane_spans``, ``check_frame``): what the CPU decoder would refuse there is
 refused the same way (``Step.CHECK``), before any device work. Stores are still encoded on the
 codec threads (``pykv.codec.stage``).
