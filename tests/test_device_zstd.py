@@ -288,3 +288,12 @@ def test_a_step_of_several_loads_fails_only_the_block_its_decoder_refuses(tensor
     assert payload_of(tensors, ids[0]) == payloads[0] and payload_of(tensors, ids[2]) == payloads[2]
     assert payload_of(tensors, ids[1]) == payload_of(before, ids[1])
     device.close()
+
+
+def test_the_workers_start_line_says_where_blocks_are_decoded(tensors):
+    from pykv.connector.codecs import where_decoded
+    assert where_decoded(codec_for("none"), None) == ""
+    assert where_decoded(CODEC, None) == ", decoded on the codec threads"
+    device = decoder(tensors, step_blocks=3)
+    assert where_decoded(CODEC, device) == ", decoded by DevicePlanesZstd (3 blocks per device step)"
+    device.close()

@@ -57,3 +57,12 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
         log.info("pykv: planes-zstd loads decode on the codec threads (%s)", exc)
         return None
     return device
+
+
+def where_decoded(codec: Codec, device: DeviceCodec | None) -> str:
+    """For the worker's start line: where this engine's coded blocks are decoded ("" for ``none``)."""
+    if codec.name == "none":
+        return ""
+    if device is None:
+        return ", decoded on the codec threads"
+    return f", decoded by {type(device).__name__} ({device.step_blocks} blocks per device step)"

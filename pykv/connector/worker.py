@@ -43,7 +43,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import device_codec_for, engine_codec
+from pykv.connector.codecs import device_codec_for, engine_codec, where_decoded
 from pykv.connector.device_codec import CodedLoad
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
@@ -107,9 +107,9 @@ class PykvWorker(OffloadingWorker):
                                       unregister=unregister) if on_threads else None
         self._scratch_tensors = [] if self.codec_stage is None else [
             torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
-        log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s",
+        log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s%s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
-                 type(self.copier).__name__, codec.params)
+                 type(self.copier).__name__, codec.params, where_decoded(codec, self.device_codec))
 
     @property
     def dram_base(self) -> int:
