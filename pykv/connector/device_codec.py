@@ -206,6 +206,15 @@ class DeviceCodec:
         else:
             work.done(work.task, False, BlockFailure(Step.COPY, detail=f"{self.name} decoding on the device failed"))
 
+    def _step_raised(self, works: Sequence[_Work], error: Exception, again: Callable[[list[_Work]], None]) -> None:
+        """A step that raised: its blocks ``again`` one by one, so only the guilty one fails; a
+        single block's failure ends it."""
+        if len(works) > 1:
+            for work in works:
+                again([work])
+        else:
+            self._fail(works[0], error)
+
     def _submit(self, work: _Work) -> None:
         self._queued.put(work)
 
@@ -222,11 +231,7 @@ class DeviceCodec:
             bad, stored, _ = self._run(works)
             flags = bad.tolist()
         except Exception as error:  # noqa: BLE001 - a failed block, not a failed engine
-            if len(works) > 1:  # again block by block: only the guilty one fails
-                for work in works:
-                    self._run_now([work])
-            else:
-                self._fail(works[0], error)
+            self._step_raised(works, error, self._run_now)
             return
         for work, flag in zip(works, flags):
             self._finish(work, flag, stored)
@@ -258,11 +263,7 @@ class DeviceCodec:
                 event.record(self._stream)
         except Exception as error:  # noqa: BLE001
             self._free_flags.release()
-            if len(works) > 1:  # again block by block: only the guilty one fails
-                for work in works:
-                    self._issue([work])
-            else:
-                self._fail(works[0], error)
+            self._step_raised(works, error, self._issue)
             return
         self._pending.put((works, index, stored, event, keep))
 
