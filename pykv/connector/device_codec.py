@@ -48,8 +48,8 @@ the KV's device is this much payload plus its stored bytes."""
 MAX_STEP_BLOCKS = 16
 _NOTHING = object()
 Issued = tuple[torch.Tensor, "int | None", object]
-"""What a block's device work left: its bad-input flag, a store's stored length, what must live
-until the stream passes it."""
+"""What a store's device work left: its bad-input flag, its stored length, what must live until
+the stream passes it."""
 
 
 @dataclass
@@ -75,8 +75,8 @@ class _Work:
 
 class DeviceCodec:
     """Runs one codec's block work on the device of ``copier``'s KV tensors. Subclasses give
-    ``_encode`` (stores; a decode-only codec leaves stores to the codec threads), ``_decode``
-    and ``_refusal``; ``payload`` is the device scratch of the largest raw payload."""
+    ``_encode`` (stores; a decode-only codec leaves stores to the codec threads), ``_decode_step``
+    and ``_refusal``; ``payload`` is the device scratch of ``step_blocks`` of the largest raw payload."""
 
     name = "codec"
     encodes = True  # False: stores are encoded on the codec threads, only loads come here
@@ -140,14 +140,10 @@ class DeviceCodec:
     def _encode(self, task: CopyTask) -> Issued:
         raise NotImplementedError(f"{self.name} encodes on the codec threads")
 
-    def _decode(self, load: CodedLoad) -> Issued:
-        raise NotImplementedError
-
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
         """Several loads of one raw length at once: (one bad-input flag per load, what must live
-        until the stream passes it). This default decodes them one after the other."""
-        issued = [self._decode(load) for load in loads]
-        return torch.stack([bad.reshape(()) for bad, _, _ in issued]), [keep for _, _, keep in issued]
+        until the stream passes it)."""
+        raise NotImplementedError
 
     def _into_kv_rows(self, loads: Sequence[CodedLoad]) -> object:
         """Row i of the scratch payload (the decoded payload of ``loads[i]``, all of one length)
@@ -321,10 +317,6 @@ class DeviceFp8(DeviceCodec):
         slot[:head].copy_(scales, non_blocking=self.cuda)
         slot[head:head + codes.numel()].copy_(codes, non_blocking=self.cuda)
         return bad, head + codes.numel(), (keep, codes, scales)
-
-    def _decode(self, load: CodedLoad) -> Issued:
-        bad, keep = self._decode_step([load])
-        return bad[0], None, keep
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
         """The loads' stored bytes into rows of the stored scratch, one dequantize over all rows,

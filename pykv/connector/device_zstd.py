@@ -27,7 +27,7 @@ from pykv.codec.lossless import PlanesZstdCodec
 from pykv.errors import InputError
 
 from pykv.connector.copier import TorchCopier
-from pykv.connector.device_codec import STEP_BYTES, CodedLoad, DeviceCodec, Issued
+from pykv.connector.device_codec import STEP_BYTES, CodedLoad, DeviceCodec
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,6 @@ class DevicePlanesZstd(DeviceCodec):
         if refused is None and (load.raw_length % 2 or load.task.payload.numel() > self._stored_row):
             return f"{load.task.payload.numel()} stored bytes for {load.raw_length} raw"
         return refused
-
-    def _decode(self, load: CodedLoad) -> Issued:
-        bad, keep = self._decode_step([load])
-        return bad[0], None, keep
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
         """Every zstd frame of the loads in one call of the frame decoder (raw planes copied),
