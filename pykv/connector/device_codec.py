@@ -2,9 +2,9 @@
 
 ``fp8``: a store gathers the block's pages into a payload on the device, quantizes it there and
 copies the scales and codes (about half the bytes) into the staging slot; a load copies the
-stored bytes to the device, dequantizes them into the payload and copies its pages to the KV
-cache blocks. ``planes-zstd`` decodes loads on the GPU the same way (``device_zstd``). A load
-never changes the slot, so a DRAM-tier slot serves every later hit.
+stored bytes to the device, dequantizes them into the payload and scatters its pages into the KV
+cache blocks with indexing kernels (``scatter``). ``planes-zstd`` decodes loads on the GPU the
+same way (``device_zstd``). A load never changes the slot, so a DRAM-tier slot serves every later hit.
 
 On CUDA one thread issues the work on one stream, in order, one step at a time: a store, or
 up to ``step_blocks`` loads of one length that are queued at that moment (one copy call, one
@@ -34,6 +34,7 @@ from pykv.errors import InputError
 from pykv.failures import BlockFailure, Step
 
 from pykv.connector.copier import CopyTask, TorchCopier
+from pykv.connector.scatter import scatter_rows
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +148,10 @@ class DeviceCodec:
 
     def _into_kv_rows(self, loads: Sequence[CodedLoad]) -> object:
         """Row i of the scratch payload (the decoded payload of ``loads[i]``, all of one length)
-        into that load's KV blocks, after the decode in stream order: one copy call for them all."""
-        raw = loads[0].raw_length
-        tasks = [CopyTask(self.payload[i * raw:(i + 1) * raw], load.task.group, load.task.gpu_ids, load.task.skip)
-                 for i, load in enumerate(loads)]
-        return self.copier.copy_device_payloads(tasks, to_slot=False)
+        into that load's KV blocks, after the decode in stream order: one indexing kernel per KV
+        tensor for them all (``scatter.scatter_rows``)."""
+        return scatter_rows(self.copier.tensors, self.copier.layout, self.payload, loads[0].raw_length,
+                            [load.task for load in loads])
 
     # -- steps -------------------------------------------------------------------------------------
     def _take(self) -> list[_Work] | None:

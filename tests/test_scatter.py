@@ -1,0 +1,109 @@
+"""``scatter_rows`` (pykv/connector/scatter.py) writes exactly what the plain copier writes from
+the same payloads: every page of every row into its KV block, nothing else; for whole chunks and
+partial ones (a skip, fewer ids), descending and scattered ids, several groups in one step, rows
+wider than the page, and pages whose sizes or offsets are not whole 8-byte words."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
+from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
+from pykv.connector.scatter import scatter_rows  # noqa: E402
+
+NUM_BLOCKS = 40
+
+
+def kv_tensors(widths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(-128, 128, (NUM_BLOCKS, w), dtype=torch.int8, generator=generator) for w in widths]
+
+
+def payload_rows(count, raw, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (count * raw,), dtype=torch.int8, generator=generator)
+
+
+def expected(tensors, layout, payload, raw, tasks):
+    """The plain copier's result of copying row i into tasks[i]'s blocks, task by task."""
+    out = [t.clone() for t in tensors]
+    copier = TorchCopier(out, layout)
+    for i, task in enumerate(tasks):
+        copier.from_slots([CopyTask(payload[i * raw:(i + 1) * raw], task.group, task.gpu_ids, task.skip)],
+                          lambda t, ok: None)
+    return out
+
+
+def check(layout, widths, tasks, raw):
+    tensors = kv_tensors(widths)
+    payload = payload_rows(len(tasks), raw)
+    want = expected(tensors, layout, payload, raw, tasks)
+    got = [t.clone() for t in tensors]
+    scatter_rows(got, layout, payload, raw, tasks)
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"KV tensor {index} differs"
+    return got, tensors
+
+
+def task(ids, skip=0, group=0):
+    return CopyTask(torch.zeros(0, dtype=torch.int8), group, np.asarray(ids, dtype=np.int64), skip)
+
+
+PAGE = 64
+LAYOUT = BlockLayout(4, 64, ((RefPage(0, PAGE), RefPage(1, PAGE), RefPage(2, PAGE)),))
+RAW = 3 * 4 * PAGE
+
+
+def test_whole_chunks_in_any_order():
+    tasks = [task([0, 1, 2, 3]), task([11, 10, 9, 8]), task([30, 5, 22, 17])]
+    got, before = check(LAYOUT, [PAGE] * 3, tasks, RAW)
+    untouched = sorted(set(range(NUM_BLOCKS)) - {0, 1, 2, 3, 8, 9, 10, 11, 30, 5, 22, 17})
+    for a, b in zip(got, before):
+        assert torch.equal(a[untouched], b[untouched]), "a block outside the tasks changed"
+
+
+def test_partial_chunks_skip_and_short():
+    tasks = [task([7, 6], skip=2), task([12, 13, 14]), task([20], skip=1), task([1, 2, 3, 4])]
+    check(LAYOUT, [PAGE] * 3, tasks, RAW)
+
+
+def test_empty_task_writes_nothing():
+    tasks = [task([]), task([5, 4, 3, 2])]
+    check(LAYOUT, [PAGE] * 3, tasks, RAW)
+
+
+def test_rows_wider_than_the_page():
+    layout = BlockLayout(2, 32, ((RefPage(0, 48), RefPage(1, 48)),))
+    check(layout, [64, 80], [task([3, 9]), task([10, 2])], 2 * 2 * 48)
+
+
+def test_pages_not_whole_words():
+    layout = BlockLayout(3, 48, ((RefPage(0, 6), RefPage(1, 10)),))
+    raw = 3 * 6 + 3 * 10
+    check(layout, [6, 10], [task([0, 5, 9]), task([8, 7], skip=1)], raw)
+
+
+def test_two_groups_in_one_step():
+    layout = BlockLayout(2, 32, ((RefPage(0, 16),), (RefPage(1, 16),)))
+    tasks = [task([1, 2], group=0), task([5, 4], group=1), task([9], skip=1, group=0)]
+    check(layout, [16, 16], tasks, 2 * 16)
+
+
+def test_matches_random_layouts():
+    rng = np.random.default_rng(38)
+    for _ in range(25):
+        bpc = int(rng.integers(1, 6))
+        pages = [int(p) for p in rng.choice([2, 8, 24, 64], size=int(rng.integers(1, 4)))]
+        widths = [p + int(rng.choice([0, 0, 8, 3])) for p in pages]
+        layout = BlockLayout(bpc, 16 * bpc, (tuple(RefPage(i, p) for i, p in enumerate(pages)),))
+        raw = sum(pages) * bpc
+        free = list(rng.permutation(NUM_BLOCKS))
+        tasks = []
+        for _ in range(int(rng.integers(1, 5))):
+            skip = int(rng.integers(0, bpc)) if rng.random() < 0.3 else 0
+            count = bpc - skip if rng.random() < 0.7 else int(rng.integers(0, bpc - skip + 1))
+            tasks.append(task([free.pop() for _ in range(count)], skip=skip))
+        check(layout, widths, tasks, raw)
