@@ -6,6 +6,8 @@ folder, encodes dummy-weight-like bf16 KV blocks (29.4 MB each, the 3B shape) wi
 a batch of blocks in one nvCOMP call (``BitstreamKind.RAW``: standard frames), then merges the
 planes on the GPU (``lo | hi << 8``) and compares the payload with the original. Prints what
 worked, the ratio, and GB/s of KV for: H2D of the stored bytes, the batched decode, the merge.
+Then the same batch into preallocated outputs (``out=``), with and without a prepared
+``DecompressConfig``, and a hostile frame that decodes to fewer bytes than its header declares.
 A probe for the next step, not the engine: every API variant that fails is printed and skipped.
 
     python3 benchmarks/h200_nvcomp_probe.py --out $OUT/nvcomp_probe.jsonl
@@ -58,6 +60,94 @@ def frames_of(stored: bytes, codec: PlanesZstdCodec, payload_len: int) -> list[t
     return out
 
 
+def _guarded(record: dict, key: str, fn) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+        record[f"error_{key}"] = f"{type(exc).__name__}: {exc}"[:600]
+        traceback.print_exc()
+
+
+def probe_into_outputs(nvcomp, stream, inputs: list, reference: list, kv_bytes: int, record: dict) -> None:
+    """The same batch decoded into preallocated slices of one device buffer (``out=``: no
+    allocation per frame, no copy after), then also with a ``DecompressConfig`` built once
+    (``decompression_config``: decode itself no longer synchronizes): GB/s of KV, bit-exact
+    against the plain decode, and what the returned entries report."""
+    sizes = [r.numel() for r in reference]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=reference[0].device)
+    outs = list(torch.split(buffer, sizes))
+    nv = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=stream.cuda_stream)
+    arrays = nvcomp.as_arrays(inputs, cuda_stream=stream.cuda_stream)
+    targets = nvcomp.as_arrays(outs, cuda_stream=stream.cuda_stream)
+
+    def timed(key: str, **kwargs) -> None:
+        for _ in range(3):
+            buffer.fill_(0xAB)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            returned = nv.decode(arrays, out=targets, **kwargs)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - began
+        record[f"decode_{key}_gbps_of_kv"] = round(kv_bytes / seconds / 1e9, 1)
+        record[f"wrong_frames_{key}"] = sum(not torch.equal(o, r) for o, r in zip(outs, reference))
+        first = returned[0] if hasattr(returned, "__getitem__") else returned
+        record[f"returned_{key}"] = f"{type(returned).__name__}, first {type(first).__name__} " \
+                                    f"shape {getattr(first, 'shape', '?')} of {sizes[0]}"
+
+    _guarded(record, "out", lambda: timed("out"))
+
+    def configured() -> None:
+        began = time.perf_counter()
+        config = nv.decompression_config(arrays)
+        record["decompression_config_ms"] = round((time.perf_counter() - began) * 1e3, 2)
+        timed("out_config", decompression_config=config)
+
+    _guarded(record, "out_config", configured)
+
+
+def short_frame(plane_len: int, short_by: int) -> bytes:
+    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``short_by`` fewer
+    (a hostile writer's frame: ``check_frame`` passes it)."""
+    import zstandard
+    data = (np.arange(plane_len - short_by) % 7).astype(np.uint8).tobytes()
+    frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
+    descriptor = frame[4]
+    single = (descriptor >> 5) & 1
+    position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+    size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+    value = plane_len - 256 if size == 2 else plane_len
+    frame[position:position + size] = value.to_bytes(size, "little")
+    return bytes(frame)
+
+
+def probe_short_frame(nvcomp, stream, device, record: dict) -> None:
+    """What nvCOMP does with a frame that decodes to fewer bytes than its header declares: into
+    its own output (the size it reports) and into a preallocated one (does it raise, or leave the
+    tail as it was)."""
+    plane_len = 512 << 10
+    frame = short_frame(plane_len, 4096)
+    PlanesZstdCodec().check_frame(frame, plane_len)  # the host's check passes it
+    source = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
+    nv = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=stream.cuda_stream)
+
+    def own() -> None:
+        returned = nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream))
+        torch.cuda.synchronize()
+        record["short_frame_own"] = f"decoded to {torch.as_tensor(returned[0], device=device).numel()} " \
+                                    f"of {plane_len} declared"
+
+    def into() -> None:
+        out = torch.full((plane_len,), 0xAB, dtype=torch.uint8, device=device)
+        nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream),
+                  out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream))
+        torch.cuda.synchronize()
+        record["short_frame_into"] = f"no error; {int((out[-4096:] == 0xAB).sum())} of the last 4096 bytes " \
+                                     f"left as they were"
+
+    _guarded(record, "short_frame_own", own)
+    _guarded(record, "short_frame_into", into)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", default=None, help="nvCOMP wheels (default .device/nvcomp, else /tmp/pykv-device/nvcomp)")
@@ -86,7 +176,8 @@ def main() -> None:
     torch.cuda.synchronize()
     record["h2d_gbps_of_kv"] = round(payload.nbytes / (time.perf_counter() - began) / 1e9, 1)
     inputs = [on_gpu[b][off:off + n] for b, block in enumerate(frames) for (_, _, off, n) in block]
-    for variant in ("as_arrays", "as_array_list"):
+    reference: list[torch.Tensor] = []
+    for variant in ("as_arrays",):  # run 20: a plain list of Arrays is a TypeError
         try:
             nv = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW,
                               cuda_stream=stream.cuda_stream)
@@ -101,6 +192,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - began
             record[f"decode_{variant}_gbps_of_kv"] = round(payload.nbytes / seconds / 1e9, 1)
+            reference = [d.view(torch.uint8).reshape(-1) for d in decoded]
             # merge and compare: a plane decoded or raw, per chunk
             index = {(b, c, p): decoded[i] for i, (b, c, p) in enumerate(
                 (b, c, p) for b, block in enumerate(frames) for (c, p, _, _) in block)}
@@ -133,6 +225,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a probe: report and go on
             record[f"error_{variant}"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+    if reference:
+        probe_into_outputs(nvcomp, stream, inputs, reference, payload.nbytes, record)
+    probe_short_frame(nvcomp, stream, device, record)
     print(json.dumps(record))
     if args.out:
         with open(args.out, "a") as f:

@@ -109,6 +109,27 @@ def _first_frame(stored: bytes) -> tuple[int, int]:
     raise AssertionError("no frame")
 
 
+def _short_frame(plane_len: int, content: int) -> bytes:
+    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``content``."""
+    data = (np.arange(content) % 7).astype(np.uint8).tobytes()
+    frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
+    descriptor = frame[4]
+    single = (descriptor >> 5) & 1
+    position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+    size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+    frame[position:position + size] = (plane_len - 256 if size == 2 else plane_len).to_bytes(size, "little")
+    assert zstandard.frame_content_size(bytes(frame)) == plane_len
+    return bytes(frame)
+
+
+def _with_frame(stored: bytes, frame: bytes) -> bytes:
+    """``stored`` with its first zstd frame replaced by ``frame`` (its table entry updated)."""
+    position, length = _first_frame(stored)
+    entry = next(i for i, (p, _) in enumerate(span for _, _, spans in CODEC.plane_spans(stored, RAW)
+                                              for span in spans) if p == position)
+    return _table_entry(stored[:position] + frame + stored[position + length:], entry, len(frame))
+
+
 def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
     raw, params = RAW, CODEC.params
     position, length = _first_frame(stored)
@@ -126,6 +147,8 @@ def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
         out = bytearray(stored)
         out[position:position + length] = frame + bytes(length - len(frame))
         stored = bytes(out)
+    elif case == "frame-short-content":  # declares the plane's 1,500 bytes, holds 1,400
+        stored = _with_frame(stored, _short_frame(1500, 1400))
     elif case == "frame-corrupt":
         out = bytearray(stored)
         out[position + length - 3:position + length] = b"\xff\xff\xff"
@@ -142,8 +165,8 @@ def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
 
 
 @pytest.mark.parametrize("case", ["table-short", "table-zero", "table-over-plane", "trailing-byte",
-                                  "frame-declares-other-size", "frame-corrupt", "other-codec", "raw-odd",
-                                  "raw-too-large", "raw-zero"])
+                                  "frame-declares-other-size", "frame-short-content", "frame-corrupt",
+                                  "other-codec", "raw-odd", "raw-too-large", "raw-zero"])
 def test_what_the_cpu_decoder_refuses_is_a_check_failure(tensors, case):
     stored, raw, params = hostile(case, CODEC.encode(payload_of(kv_tensors(3), [0, 1])))
     if case not in ("other-codec", "raw-odd", "raw-too-large", "raw-zero"):
