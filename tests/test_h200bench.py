@@ -592,5 +592,6 @@ def test_s1_stripe_variants_parse_names_and_keys_and_refuse_a_bare_name():
     from h200bench.striping import stripe_variants
     assert stripe_variants(["fp8:codec=fp8", "z:codec=planes-zstd;codec_decode=gpu"]) == [
         ("fp8", {"codec": "fp8"}), ("z", {"codec": "planes-zstd", "codec_decode": "gpu"})]
+    assert stripe_variants(["big:codec=fp8;block_size=512"]) == [("big", {"codec": "fp8", "block_size": 512})]
     with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
         stripe_variants(["fp8"])

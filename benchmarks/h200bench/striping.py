@@ -219,14 +219,16 @@ def calibrate(runner, mnts: list[str]) -> None:
 
 # -- stages -----------------------------------------------------------------------------------------------
 def stripe_variants(items: list[str]) -> list[tuple[str, dict]]:
-    """``--stripe-variant NAME:KEY=VALUE[;KEY=VALUE]`` items as (variant, keys)."""
+    """``--stripe-variant NAME:KEY=VALUE[;KEY=VALUE]`` items as (variant, keys); a value of digits
+    is an int (vLLM's ``block_size`` must be one)."""
     variants = []
     for item in items:
         name, _, pairs = item.partition(":")
         keys = dict(pair.split("=", 1) for pair in pairs.split(";") if "=" in pair)
         if not name.strip() or not keys:
             raise SystemExit(f"--stripe-variant {item!r}: expected NAME:KEY=VALUE[;KEY=VALUE]")
-        variants.append((name.strip(), {k.strip(): v.strip() for k, v in keys.items()}))
+        variants.append((name.strip(), {k.strip(): int(v) if v.strip().isdigit() else v.strip()
+                                        for k, v in keys.items()}))
     return variants
 
 
