@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pykv.codec.lossless import PlanesZstdCodec
+from pykv.connector.device_zstd import short_frame
 
 BLOCK = 28 * 65_536 * 16
 
@@ -103,21 +104,6 @@ def probe_into_outputs(nvcomp, stream, inputs: list, reference: list, kv_bytes: 
         timed("out_config", decompression_config=config)
 
     _guarded(record, "out_config", configured)
-
-
-def short_frame(plane_len: int, short_by: int) -> bytes:
-    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``short_by`` fewer
-    (a hostile writer's frame: ``check_frame`` passes it)."""
-    import zstandard
-    data = (np.arange(plane_len - short_by) % 7).astype(np.uint8).tobytes()
-    frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
-    descriptor = frame[4]
-    single = (descriptor >> 5) & 1
-    position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
-    size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
-    value = plane_len - 256 if size == 2 else plane_len
-    frame[position:position + size] = value.to_bytes(size, "little")
-    return bytes(frame)
 
 
 def probe_short_frame(nvcomp, stream, device, record: dict) -> None:

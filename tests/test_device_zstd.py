@@ -9,6 +9,8 @@ too; the stream path ends each block once; ``device_codec_for`` picks the decode
 from __future__ import annotations
 
 import struct
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -20,12 +22,13 @@ pytest.importorskip("vllm")
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
 from test_device_codec import Ends  # noqa: E402
 
+from pykv.codec.base import CodecError  # noqa: E402
 from pykv.codec.lossless import PlanesZstdCodec  # noqa: E402
 from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.codecs import device_codec_for  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
 from pykv.connector.device_codec import CodedLoad, DeviceFp8  # noqa: E402
-from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames  # noqa: E402
+from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames, short_frame  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.codec import codec_for  # noqa: E402
 from pykv.errors import InputError  # noqa: E402
@@ -109,19 +112,6 @@ def _first_frame(stored: bytes) -> tuple[int, int]:
     raise AssertionError("no frame")
 
 
-def _short_frame(plane_len: int, content: int) -> bytes:
-    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``content``."""
-    data = (np.arange(content) % 7).astype(np.uint8).tobytes()
-    frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
-    descriptor = frame[4]
-    single = (descriptor >> 5) & 1
-    position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
-    size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
-    frame[position:position + size] = (plane_len - 256 if size == 2 else plane_len).to_bytes(size, "little")
-    assert zstandard.frame_content_size(bytes(frame)) == plane_len
-    return bytes(frame)
-
-
 def _with_frame(stored: bytes, frame: bytes) -> bytes:
     """``stored`` with its first zstd frame replaced by ``frame`` (its table entry updated)."""
     position, length = _first_frame(stored)
@@ -148,7 +138,7 @@ def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
         out[position:position + length] = frame + bytes(length - len(frame))
         stored = bytes(out)
     elif case == "frame-short-content":  # declares the plane's 1,500 bytes, holds 1,400
-        stored = _with_frame(stored, _short_frame(1500, 1400))
+        stored = _with_frame(stored, short_frame(1500, 100))
     elif case == "frame-corrupt":
         out = bytearray(stored)
         out[position + length - 3:position + length] = b"\xff\xff\xff"
@@ -246,46 +236,110 @@ def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
-class _FakeNvcomp:
+def _fake_nvcomp(*, into: bool = False, lenient: str = ""):
     """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
-    ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``)."""
+    ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``).
+    ``into``: it also takes ``out=`` (a batch of outputs, filled in place; nvCOMP 6's docstrings);
+    otherwise ``out=`` is a ``TypeError``. ``lenient`` ("into", "both"): a frame holding fewer bytes
+    than it declares decodes without an error there (its tail left as it was, or zeros in an array
+    of the declared size): what the start check must catch."""
 
-    class BitstreamKind:
-        RAW = "raw"
-
-    class _Batch(list):
+    class Batch(list):
         pass
+
+    def inflate(frame: bytes, soft: bool) -> np.ndarray:
+        try:
+            return np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=np.uint8)
+        except zstandard.ZstdError:
+            if not soft:
+                raise RuntimeError("nvcomp: decompression failed") from None
+            return np.zeros(max(zstandard.frame_content_size(frame), 0), dtype=np.uint8)
 
     class Codec:
         def __init__(self, **kwargs) -> None:
             self.kwargs = kwargs
 
-        def decode(self, src):
-            if not isinstance(src, _FakeNvcomp._Batch):
+        def decode(self, src, **kwargs):
+            if not isinstance(src, Batch) or ("out" in kwargs and not into):
                 raise TypeError("decode(): incompatible function arguments")
-            return [np.frombuffer(zstandard.ZstdDecompressor().decompress(bytes(frame.numpy())), dtype=np.uint8)
-                    for frame in src]
+            if "out" not in kwargs:
+                return [inflate(bytes(frame.numpy()), lenient == "both") for frame in src]
+            for frame, target in zip(src, kwargs["out"]):
+                values = inflate(bytes(frame.numpy()), lenient in ("into", "both"))
+                if values.size > target.numel():
+                    raise ValueError("output buffer too small")
+                if values.any():  # a soft failure writes nothing
+                    target[:values.size].copy_(torch.from_numpy(values.copy()))
+            return kwargs["out"]
 
-    @staticmethod
-    def as_arrays(frames, cuda_stream=0):
-        return _FakeNvcomp._Batch(frames)
+    return types.SimpleNamespace(BitstreamKind=types.SimpleNamespace(RAW="raw"), Codec=Codec,
+                                 as_arrays=lambda items, cuda_stream=0: Batch(items))
 
 
-def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, monkeypatch):
-    import sys
-    import types
+def _install_fake(monkeypatch, fake) -> None:
     package = types.ModuleType("nvidia")
-    package.nvcomp = _FakeNvcomp
+    package.nvcomp = fake
     monkeypatch.setitem(sys.modules, "nvidia", package)
-    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", _FakeNvcomp)
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", fake)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, monkeypatch, into):
+    """Into the planes (``out=``) where nvCOMP takes it and refuses a short frame, else into its
+    own arrays and copied; either way one batch per call and bit-exact loads."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=into))
     frames = NvcompFrames(torch.device("cpu"), None)
     device = decoder(kv_tensors(1), frames)
     device.self_test()
+    assert frames.mode == ("into" if into else "copy")
     payload = payload_of(tensors, [3, 4])
     ok, failure, _ = load(device, CODEC.encode(payload), [5, 6])
     assert ok and failure is None
     assert payload_of(device.copier.tensors, [5, 6]) == payload
+    hostile_stored = hostile("frame-short-content", CODEC.encode(payload))[0]
+    ok, failure, _ = load(device, hostile_stored, [7, 8])
+    assert not ok
     device.close()
+
+
+def test_out_that_accepts_a_short_frame_is_not_used(tensors, monkeypatch):
+    """nvCOMP taking ``out=`` but decoding a short frame without an error (its tail stale): the
+    start check keeps the copying mode, whose size check refuses that frame."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="into"))
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    assert frames.mode == "copy"
+    device.close()
+
+
+def test_a_decoder_silent_on_short_frames_either_way_fails_the_start_check(tensors, monkeypatch):
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="both"))
+    device = decoder(kv_tensors(1), NvcompFrames(torch.device("cpu"), None))
+    with pytest.raises(InputError, match="start check") as refused:
+        device.self_test()
+    assert "fewer bytes than it declares" in str(refused.value) and "\n" not in str(refused.value)
+    device.close()
+
+
+def test_the_start_check_refuses_a_decoder_that_accepts_a_short_frame(tensors):
+    class Lenient(HostFrames):
+        def decode(self, frames, outputs):
+            for frame, out in zip(frames, outputs):
+                try:
+                    super().decode([frame], [out])
+                except Exception:  # noqa: BLE001 - swallowed: what the check must notice
+                    pass
+            return torch.zeros((), dtype=torch.bool)
+    with pytest.raises(InputError, match="fewer bytes than it declares"):
+        decoder(tensors, Lenient(CODEC)).self_test()
+
+
+def test_the_short_frame_passes_the_header_check_and_fails_decoding():
+    frame = short_frame(1 << 16, 4096)
+    CODEC.check_frame(frame, 1 << 16)  # the header declares exactly the plane
+    with pytest.raises(CodecError):
+        CODEC.inflate(memoryview(frame), np.empty(1 << 16, dtype=np.uint8))
 
 
 @pytest.mark.parametrize("case", ["table-zero", "frame-corrupt"])

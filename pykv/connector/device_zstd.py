@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 import torch
+import zstandard
 
 from pykv.codec.base import CodecError
 from pykv.codec.lossless import PlanesZstdCodec
@@ -35,6 +36,19 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def _no_stream():
     yield
+
+
+def short_frame(plane_len: int, short_by: int) -> bytes:
+    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``short_by``
+    fewer: what a hostile writer could store; ``check_frame`` passes it, decoding must refuse it."""
+    data = (np.arange(plane_len - short_by) % 7).astype(np.uint8).tobytes()
+    frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
+    descriptor = frame[4]  # after the 4-byte magic number
+    single = (descriptor >> 5) & 1
+    position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+    size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+    frame[position:position + size] = (plane_len - 256 if size == 2 else plane_len).to_bytes(size, "little")
+    return bytes(frame)
 
 
 class FrameDecoder(Protocol):
@@ -60,7 +74,12 @@ class HostFrames:
 
 class NvcompFrames:
     """nvCOMP's batched zstd decoder for standard frames (``BitstreamKind.RAW``) on ``stream``.
-    ``InputError`` (one line) where nvCOMP is not installed or does not load."""
+    ``InputError`` (one line) where nvCOMP is not installed or does not load. ``mode`` (chosen by
+    the start check): ``into`` decodes straight into the outputs (``out=``: no allocation per frame,
+    no copy); ``copy`` into nvCOMP's own arrays, each checked for its size and copied."""
+
+    modes = ("into", "copy")
+    mode = "into"
 
     def __init__(self, device: torch.device, stream: object) -> None:
         self._stream = getattr(stream, "cuda_stream", 0)
@@ -77,6 +96,9 @@ class NvcompFrames:
         # one batch (as_arrays): nvCOMP 6's decode takes an Array or such a batch, not a list of Arrays
         arrays = self._nvcomp.as_arrays(list(frames), cuda_stream=self._stream)
         bad = torch.zeros((), dtype=torch.bool, device=outputs[0].device)
+        if self.mode == "into":
+            self._codec.decode(arrays, out=self._nvcomp.as_arrays(list(outputs), cuda_stream=self._stream))
+            return bad
         for out, array in zip(outputs, self._codec.decode(arrays)):
             decoded = torch.as_tensor(array, device=out.device).view(torch.uint8).reshape(-1)
             if decoded.numel() != out.numel():
@@ -107,24 +129,49 @@ class DevicePlanesZstd(DeviceCodec):
         self._planes = torch.empty(largest_payload * self.step_blocks, dtype=torch.uint8, device=self.device)
 
     def self_test(self) -> None:
-        """Decode one frame of known bytes with the frame decoder and compare (engine start):
-        ``InputError`` (one line) if it fails or differs."""
-        import zstandard
+        """The frame decoder's start check: one frame of known bytes decoded and compared, and a
+        frame holding fewer bytes than its header declares refused (as the CPU decoder refuses it).
+        A decoder with several ``modes`` keeps the first that passes; ``InputError`` (one line)
+        if none does."""
+        problems = []
+        for mode in getattr(self.frames, "modes", (None,)):
+            if mode is not None:
+                self.frames.mode = mode
+            problem = self._unfit()
+            if problem is None:
+                if mode is not None:
+                    log.info("pykv: planes-zstd frames decode on the GPU %s%s", mode,
+                             f" ({'; '.join(problems)})" if problems else "")
+                return
+            problems.append(problem if mode is None else f"{mode}: {problem}")
+        raise InputError(f"codec_decode: the GPU zstd decoder failed its start check ({'; '.join(problems)})")
+
+    def _unfit(self) -> str | None:
+        """Why the frame decoder cannot be trusted with hostile frames, or None."""
         plane = (np.arange(1 << 16) % 251).astype(np.uint8)
-        frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.tobytes())
-        source = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(self.device)
-        out = torch.zeros(plane.size, dtype=torch.uint8, device=self.device)
+        good = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.tobytes())
+        short = short_frame(plane.size, 4096)
         try:
-            with torch.cuda.stream(self._stream) if self.device.type == "cuda" else _no_stream():
-                bad = self.frames.decode([source], [out])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            same = not bool(bad) and np.array_equal(out.cpu().numpy(), plane)
+            out = torch.zeros(plane.size, dtype=torch.uint8, device=self.device)
+            bad = self._decode_now(good, out)
+            if bad or not np.array_equal(out.cpu().numpy(), plane):
+                return "wrong bytes"
         except Exception as exc:  # noqa: BLE001 - any failure of the decoder refuses it
-            raise InputError(f"codec_decode: the GPU zstd decoder failed its start check: {type(exc).__name__}: "
-                             f"{exc}") from None
-        if not same:
-            raise InputError("codec_decode: the GPU zstd decoder failed its start check (wrong bytes)")
+            return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        try:
+            if not self._decode_now(short, torch.zeros(plane.size, dtype=torch.uint8, device=self.device)):
+                return "a frame holding fewer bytes than it declares decoded without an error"
+        except Exception:  # noqa: BLE001 - refused: what the start check wants
+            pass
+        return None
+
+    def _decode_now(self, frame: bytes, out: torch.Tensor) -> bool:
+        source = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(self.device)
+        with torch.cuda.stream(self._stream) if self.device.type == "cuda" else _no_stream():
+            bad = self.frames.decode([source], [out])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return bool(bad)
 
     def _refusal(self, load: CodedLoad) -> str | None:
         refused = super()._refusal(load)
