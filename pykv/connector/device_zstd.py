@@ -4,9 +4,11 @@ The stored bytes go to the device as they are (about 0.68 of the KV's bytes over
 zstd frame of a step's blocks (``DeviceCodec``: the loads queued at once) is decoded in one call
 of a frame decoder (nvCOMP's batched zstd) into a device buffer of planes, raw planes are copied
 there, the planes are interleaved into the payloads (byte 0 of each value from plane 0, byte 1
-from plane 1) and the payloads' pages go to the KV blocks device to device. The host reads only the block's table and each frame's header
-(``PlanesZstdCodec.plane_spans``, ``check_frame``): what the CPU decoder would refuse there is
-refused the same way (``Step.CHECK``), before any device work. Stores are still encoded on the
+from plane 1) and the payloads' pages are scattered into the KV blocks (``scatter``). The host
+reads only the block's table and each frame's header (``PlanesZstdCodec.plane_spans``,
+``check_frame``): what the CPU decoder would refuse there is refused the same way
+(``Step.CHECK``), before any device work; the start check (``self_test``) makes sure the frame
+decoder refuses what the CPU decoder refuses in a frame's body. Stores are still encoded on the
 codec threads (``pykv.codec.stage``).
 
 Frame decoders: ``NvcompFrames`` (``nvidia-nvcomp-cu12`` or ``-cu13``, matching torch's CUDA) and
