@@ -216,3 +216,17 @@ def test_other_value_sizes_round_trip(elem):
     payload = torch.randn(10_000).numpy().tobytes()  # float32: four planes, or one
     stored = codec.encode(payload)
     assert len(stored) < len(payload) and codec.decode_bytes(stored, len(payload)) == payload
+
+
+@pytest.mark.parametrize("elem", [1, 2, 4])
+def test_planes_merge_writes_every_byte_of_what_split_took_apart(elem):
+    from pykv.codec import planes
+    rng = np.random.default_rng(elem)
+    for values in (0, 1, 7, 4099):
+        data = rng.integers(0, 256, values * elem, dtype=np.uint8)
+        parts = planes.split(memoryview(data), elem)
+        assert [len(p) for p in parts] == [values] * elem
+        assert all(np.array_equal(p, data[i::elem]) for i, p in enumerate(parts))
+        out = np.full(values * elem, 0xA5, dtype=np.uint8)
+        planes.merge(out, parts, elem)
+        assert np.array_equal(out, data)

@@ -26,8 +26,15 @@ def split(values: memoryview, elem: int) -> list[np.ndarray]:
 
 def merge(dst: np.ndarray, planes: list[np.ndarray], elem: int) -> None:
     """Interleave ``planes`` (one byte per value each, plane ``i`` = byte ``i``) into ``dst``, a
-    writable uint8 array of ``len(planes[0]) * elem`` bytes."""
-    words = dst.view(WORDS[elem])
-    np.copyto(words, planes[0], casting="unsafe")  # zero-extends the low byte
-    for i in range(1, elem):
-        words |= np.left_shift(planes[i], 8 * i, dtype=WORDS[elem])
+    writable uint8 array of ``len(planes[0]) * elem`` bytes. The top plane is widened and shifted
+    straight into ``dst`` and the low one OR-ed in place: two passes and no temporary for 2-byte
+    values."""
+    word = WORDS[elem]
+    words = dst.view(word)
+    if elem == 1:
+        np.copyto(words, planes[0])
+        return
+    np.left_shift(planes[elem - 1], 8 * (elem - 1), dtype=word, out=words)
+    for i in range(elem - 2, 0, -1):
+        words |= np.left_shift(planes[i], 8 * i, dtype=word)
+    np.bitwise_or(words, planes[0], out=words)
