@@ -7,7 +7,8 @@ a batch of blocks in one nvCOMP call (``BitstreamKind.RAW``: standard frames), t
 planes on the GPU (``lo | hi << 8``) and compares the payload with the original. Prints what
 worked, the ratio, and GB/s of KV for: H2D of the stored bytes, the batched decode, the merge.
 Then the same batch into preallocated outputs (``out=``), with and without a prepared
-``DecompressConfig``, and a hostile frame that decodes to fewer bytes than its header declares.
+``DecompressConfig``, and hostile frames that decode to fewer or more bytes than their header
+declares.
 A probe for the next step, not the engine: every API variant that fails is printed and skipped.
 
     python3 benchmarks/h200_nvcomp_probe.py --out $OUT/nvcomp_probe.jsonl
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from pykv.codec.lossless import PlanesZstdCodec
-from pykv.connector.device_zstd import short_frame
+from pykv.connector.device_zstd import lying_frame
 
 BLOCK = 28 * 65_536 * 16
 
@@ -106,37 +107,39 @@ def probe_into_outputs(nvcomp, stream, inputs: list, reference: list, kv_bytes: 
     _guarded(record, "out_config", configured)
 
 
-def probe_short_frame(nvcomp, stream, device, record: dict) -> None:
-    """What nvCOMP does with a frame that decodes to fewer bytes than its header declares: into
-    its own output (the size it reports) and into a preallocated one (does it raise, or leave the
-    tail as it was)."""
+def probe_lying_frames(nvcomp, stream, device, record: dict) -> None:
+    """What nvCOMP does with frames that decode to fewer or more bytes than their header declares
+    (``lying_frame``, what the engine's start check feeds it): into its own output (the size it
+    reports) and into a preallocated one (does it raise, or leave the tail as it was)."""
     plane_len = 512 << 10
-    frame = short_frame(plane_len, 4096)
-    PlanesZstdCodec().check_frame(frame, plane_len)  # the host's check passes it
-    source = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
     nv = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=stream.cuda_stream)
+    for how, change in (("fewer", -4096), ("more", 4096)):
+        frame = lying_frame(plane_len, plane_len + change)
+        PlanesZstdCodec().check_frame(frame, plane_len)  # the host's check passes it
+        source = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
 
-    def own() -> None:
-        returned = nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream))
-        torch.cuda.synchronize()
-        record["short_frame_own"] = f"decoded to {torch.as_tensor(returned[0], device=device).numel()} " \
-                                    f"of {plane_len} declared"
+        def own(how=how, source=source) -> None:
+            returned = nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream))
+            torch.cuda.synchronize()
+            size = torch.as_tensor(returned[0], device=device).numel()
+            record[f"{how}_frame_own"] = f"no error; decoded to {size} of {plane_len} declared"
 
-    def into() -> None:
-        out = torch.full((plane_len,), 0xAB, dtype=torch.uint8, device=device)
-        nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream),
-                  out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream))
-        torch.cuda.synchronize()
-        record["short_frame_into"] = f"no error; {int((out[-4096:] == 0xAB).sum())} of the last 4096 bytes " \
-                                     f"left as they were"
+        def into(how=how, source=source) -> None:
+            out = torch.full((plane_len,), 0xAB, dtype=torch.uint8, device=device)
+            nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream),
+                      out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream))
+            torch.cuda.synchronize()
+            record[f"{how}_frame_into"] = f"no error; {int((out[-4096:] == 0xAB).sum())} of the last 4096 bytes " \
+                                          f"left as they were"
 
-    _guarded(record, "short_frame_own", own)
-    _guarded(record, "short_frame_into", into)
+        _guarded(record, f"{how}_frame_own", own)
+        _guarded(record, f"{how}_frame_into", into)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheels", default=None, help="nvCOMP wheels (default .device/nvcomp, else /tmp/pykv-device/nvcomp)")
+    parser.add_argument("--wheels", default=None,
+                        help="nvCOMP wheels (default .device/nvcomp, else /tmp/pykv-device/nvcomp)")
     parser.add_argument("--site", default="/tmp/nvcomp-site")
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--out", default=None)
@@ -213,7 +216,7 @@ def main() -> None:
             traceback.print_exc()
     if reference:
         probe_into_outputs(nvcomp, stream, inputs, reference, payload.nbytes, record)
-    probe_short_frame(nvcomp, stream, device, record)
+    probe_lying_frames(nvcomp, stream, device, record)
     print(json.dumps(record))
     if args.out:
         with open(args.out, "a") as f:

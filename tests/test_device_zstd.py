@@ -28,7 +28,7 @@ from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.codecs import device_codec_for  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
 from pykv.connector.device_codec import CodedLoad, DeviceFp8  # noqa: E402
-from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames, short_frame  # noqa: E402
+from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames, lying_frame  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.codec import codec_for  # noqa: E402
 from pykv.errors import InputError  # noqa: E402
@@ -138,7 +138,7 @@ def hostile(case: str, stored: bytes) -> tuple[bytes, int, str]:
         out[position:position + length] = frame + bytes(length - len(frame))
         stored = bytes(out)
     elif case == "frame-short-content":  # declares the plane's 1,500 bytes, holds 1,400
-        stored = _with_frame(stored, short_frame(1500, 100))
+        stored = _with_frame(stored, lying_frame(1500, 1400))
     elif case == "frame-corrupt":
         out = bytearray(stored)
         out[position + length - 3:position + length] = b"\xff\xff\xff"
@@ -302,7 +302,7 @@ def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, 
     device.close()
 
 
-def test_out_that_accepts_a_short_frame_is_not_used(tensors, monkeypatch):
+def test_out_that_accepts_a_lying_frame_is_not_used(tensors, monkeypatch):
     """nvCOMP taking ``out=`` but decoding a short frame without an error (its tail stale): the
     start check keeps the copying mode, whose size check refuses that frame."""
     _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="into"))
@@ -313,16 +313,16 @@ def test_out_that_accepts_a_short_frame_is_not_used(tensors, monkeypatch):
     device.close()
 
 
-def test_a_decoder_silent_on_short_frames_either_way_fails_the_start_check(tensors, monkeypatch):
+def test_a_decoder_silent_on_lying_frames_either_way_fails_the_start_check(tensors, monkeypatch):
     _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="both"))
     device = decoder(kv_tensors(1), NvcompFrames(torch.device("cpu"), None))
     with pytest.raises(InputError, match="start check") as refused:
         device.self_test()
-    assert "fewer bytes than it declares" in str(refused.value) and "\n" not in str(refused.value)
+    assert "bytes than it declares" in str(refused.value) and "\n" not in str(refused.value)
     device.close()
 
 
-def test_the_start_check_refuses_a_decoder_that_accepts_a_short_frame(tensors):
+def test_the_start_check_refuses_a_decoder_that_accepts_a_lying_frame(tensors):
     class Lenient(HostFrames):
         def decode(self, frames, outputs):
             for frame, out in zip(frames, outputs):
@@ -331,12 +331,13 @@ def test_the_start_check_refuses_a_decoder_that_accepts_a_short_frame(tensors):
                 except Exception:  # noqa: BLE001 - swallowed: what the check must notice
                     pass
             return torch.zeros((), dtype=torch.bool)
-    with pytest.raises(InputError, match="fewer bytes than it declares"):
+    with pytest.raises(InputError, match="bytes than it declares"):
         decoder(tensors, Lenient(CODEC)).self_test()
 
 
-def test_the_short_frame_passes_the_header_check_and_fails_decoding():
-    frame = short_frame(1 << 16, 4096)
+@pytest.mark.parametrize("holding", [(1 << 16) - 4096, (1 << 16) + 4096, 300, 70_000])
+def test_a_lying_frame_passes_the_header_check_and_fails_decoding(holding):
+    frame = lying_frame(1 << 16, holding)
     CODEC.check_frame(frame, 1 << 16)  # the header declares exactly the plane
     with pytest.raises(CodecError):
         CODEC.inflate(memoryview(frame), np.empty(1 << 16, dtype=np.uint8))

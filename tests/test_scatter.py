@@ -31,9 +31,11 @@ def expected(tensors, layout, payload, raw, tasks):
     """The plain copier's result of copying row i into tasks[i]'s blocks, task by task."""
     out = [t.clone() for t in tensors]
     copier = TorchCopier(out, layout)
+    ends = []
     for i, task in enumerate(tasks):
         copier.from_slots([CopyTask(payload[i * raw:(i + 1) * raw], task.group, task.gpu_ids, task.skip)],
-                          lambda t, ok: None)
+                          lambda t, ok: ends.append(ok))
+    assert ends == [True] * len(tasks), "the reference copy failed"
     return out
 
 
@@ -45,6 +47,8 @@ def check(layout, widths, tasks, raw):
     scatter_rows(got, layout, payload, raw, tasks)
     for index, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"KV tensor {index} differs"
+    if any(len(t.gpu_ids) for t in tasks):
+        assert any(not torch.equal(a, b) for a, b in zip(got, tensors)), "nothing was written"
     return got, tensors
 
 
@@ -107,3 +111,22 @@ def test_matches_random_layouts():
             count = bpc - skip if rng.random() < 0.7 else int(rng.integers(0, bpc - skip + 1))
             tasks.append(task([free.pop() for _ in range(count)], skip=skip))
         check(layout, widths, tasks, raw)
+
+
+@pytest.mark.parametrize("ids,skip", [([0, 1, 2, NUM_BLOCKS], 0), ([-1, 1, 2, 3], 0), ([1, 2, 3], 2)])
+def test_ids_outside_the_kv_or_a_chunk_overrun_raise_before_writing(ids, skip):
+    tensors = kv_tensors([PAGE] * 3)
+    before = [t.clone() for t in tensors]
+    tasks = [task([20, 21, 22, 23]), task(ids, skip=skip)]
+    with pytest.raises(IndexError):
+        scatter_rows(tensors, LAYOUT, payload_rows(2, RAW), RAW, tasks)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before)), "a block was written before the refusal"
+
+
+def test_fp8_kv_tensors_move_as_bits():
+    """KV tensors of another dtype (an fp8 cache's bytes) are written bit for bit, never converted."""
+    tensors = [t.view(torch.float8_e4m3fn) for t in kv_tensors([PAGE] * 3)]
+    payload = payload_rows(1, RAW)
+    scatter_rows(tensors, LAYOUT, payload, RAW, [task([9, 3, 4, 5])])
+    want = expected([t.view(torch.int8) for t in kv_tensors([PAGE] * 3)], LAYOUT, payload, RAW, [task([9, 3, 4, 5])])
+    assert all(torch.equal(a.view(torch.int8), b) for a, b in zip(tensors, want))

@@ -8,7 +8,7 @@ from plane 1) and the payloads' pages are scattered into the KV blocks (``scatte
 reads only the block's table and each frame's header (``PlanesZstdCodec.plane_spans``,
 ``check_frame``): what the CPU decoder would refuse there is refused the same way
 (``Step.CHECK``), before any device work; the start check (``self_test``) makes sure the frame
-decoder refuses what the CPU decoder refuses in a frame's body. Stores are still encoded on the
+decoder refuses a frame whose body holds fewer or more bytes than its header declares. Stores are still encoded on the
 codec threads (``pykv.codec.stage``).
 
 Frame decoders: ``NvcompFrames`` (``nvidia-nvcomp-cu12`` or ``-cu13``, matching torch's CUDA) and
@@ -40,16 +40,19 @@ def _no_stream():
     yield
 
 
-def short_frame(plane_len: int, short_by: int) -> bytes:
-    """A zstd frame whose header declares ``plane_len`` bytes but whose blocks hold ``short_by``
-    fewer: what a hostile writer could store; ``check_frame`` passes it, decoding must refuse it."""
-    data = (np.arange(plane_len - short_by) % 7).astype(np.uint8).tobytes()
+def lying_frame(declared: int, holding: int) -> bytes:
+    """A zstd frame whose header declares ``declared`` bytes but whose blocks hold ``holding``:
+    what a hostile writer could store; ``check_frame`` passes it, decoding must refuse it."""
+    data = (np.arange(holding) % 7).astype(np.uint8).tobytes()
     frame = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data))
     descriptor = frame[4]  # after the 4-byte magic number
     single = (descriptor >> 5) & 1
     position = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
     size = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
-    frame[position:position + size] = (plane_len - 256 if size == 2 else plane_len).to_bytes(size, "little")
+    value = declared - 256 if size == 2 else declared  # the 2-byte field stores the size less 256
+    if not 0 <= value < 1 << (8 * size):
+        raise ValueError(f"{declared} bytes do not fit the frame's {size}-byte size field")
+    frame[position:position + size] = value.to_bytes(size, "little")
     return bytes(frame)
 
 
@@ -81,7 +84,7 @@ class NvcompFrames:
     no copy); ``copy`` into nvCOMP's own arrays, each checked for its size and copied."""
 
     modes = ("into", "copy")
-    mode = "into"
+    mode = "copy"  # until the start check chooses
 
     def __init__(self, device: torch.device, stream: object) -> None:
         self._stream = getattr(stream, "cuda_stream", 0)
@@ -131,8 +134,9 @@ class DevicePlanesZstd(DeviceCodec):
         self._planes = torch.empty(largest_payload * self.step_blocks, dtype=torch.uint8, device=self.device)
 
     def self_test(self) -> None:
-        """The frame decoder's start check: one frame of known bytes decoded and compared, and a
-        frame holding fewer bytes than its header declares refused (as the CPU decoder refuses it).
+        """The frame decoder's start check: one frame of known bytes decoded and compared, and
+        frames holding fewer or more bytes than their header declares refused (as the CPU decoder
+        refuses them).
         A decoder with several ``modes`` keeps the first that passes; ``InputError`` (one line)
         if none does."""
         problems = []
@@ -152,7 +156,8 @@ class DevicePlanesZstd(DeviceCodec):
         """Why the frame decoder cannot be trusted with hostile frames, or None."""
         plane = (np.arange(1 << 16) % 251).astype(np.uint8)
         good = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.tobytes())
-        short = short_frame(plane.size, 4096)
+        lying = {how: lying_frame(plane.size, plane.size + change) for how, change in (("fewer", -4096),
+                                                                                        ("more", 4096))}
         try:
             out = torch.zeros(plane.size, dtype=torch.uint8, device=self.device)
             bad = self._decode_now(good, out)
@@ -160,11 +165,12 @@ class DevicePlanesZstd(DeviceCodec):
                 return "wrong bytes"
         except Exception as exc:  # noqa: BLE001 - any failure of the decoder refuses it
             return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        try:
-            if not self._decode_now(short, torch.zeros(plane.size, dtype=torch.uint8, device=self.device)):
-                return "a frame holding fewer bytes than it declares decoded without an error"
-        except Exception:  # noqa: BLE001 - refused: what the start check wants
-            pass
+        for how, frame in lying.items():
+            try:
+                if not self._decode_now(frame, torch.zeros(plane.size, dtype=torch.uint8, device=self.device)):
+                    return f"a frame holding {how} bytes than it declares decoded without an error"
+            except Exception:  # noqa: BLE001 - refused: what the start check wants
+                pass
         return None
 
     def _decode_now(self, frame: bytes, out: torch.Tensor) -> bool:

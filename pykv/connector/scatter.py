@@ -20,12 +20,13 @@ from pykv.connector.layout import BlockLayout
 _WIDE = torch.int64
 
 
-def _wide(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (bytes, last dim contiguous) as 8-byte words where its shape and offsets allow."""
+def _words(kv: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both byte views as 8-byte words where their shapes and offsets allow, else as bytes (never
+    in the KV's own dtype: an fp8 cache's kernels are not needed to move bits)."""
     try:
-        return tensor.view(_WIDE)
+        return kv.view(_WIDE), pages.view(_WIDE)
     except RuntimeError:  # a size, stride or offset not a multiple of 8 bytes
-        return tensor
+        return kv.view(torch.uint8), pages.view(torch.uint8)
 
 
 def _to_device(array: np.ndarray, device: torch.device, keep: list[torch.Tensor]) -> torch.Tensor:
@@ -44,19 +45,27 @@ def scatter_rows(tensors: Sequence[torch.Tensor], layout: BlockLayout, payload: 
     """Row ``i`` of ``payload`` (1-d int8/uint8 on the KV's device, rows of ``raw`` bytes) into the
     KV blocks of ``tasks[i]`` (``CopyTask``: its ``group``, ``gpu_ids`` and ``skip``; its own
     ``payload`` is not read), queued on the current stream. Returns the index tensors, which must
-    live until the stream passes the work."""
+    live until the stream passes the work. ``IndexError`` (before any device work) for ids outside
+    the KV tensors or a chunk overrun. Ids are vLLM's, one load per GPU block in a step."""
     bpc = layout.blocks_per_chunk
     rows = payload[:len(tasks) * raw].view(len(tasks), raw)
     keep: list[torch.Tensor] = []
     by_group: dict[int, list[int]] = {}
     for i, task in enumerate(tasks):
         if len(task.gpu_ids):
-            assert len(task.gpu_ids) + task.skip <= bpc, "chunk larger than blocks_per_chunk"
+            if task.skip < 0 or len(task.gpu_ids) + task.skip > bpc:
+                raise IndexError(f"{len(task.gpu_ids)} blocks after {task.skip} skipped in a chunk of {bpc}")
             by_group.setdefault(task.group, []).append(i)
+    ids_of = {group: np.concatenate([np.asarray(tasks[i].gpu_ids, dtype=np.int64) for i in members])
+              for group, members in by_group.items()}
+    for group, ids in ids_of.items():  # checked before any device work: a device assert kills the context
+        blocks = min(tensors[ref.tensor].shape[0] for ref in layout.groups[group])
+        if not 0 <= ids.min() <= ids.max() < blocks:
+            raise IndexError(f"GPU block ids {ids.min()}..{ids.max()} outside 0..{blocks - 1}")
     for group, members in by_group.items():
         whole = len(members) == len(tasks) and all(len(tasks[i].gpu_ids) == bpc and tasks[i].skip == 0
                                                    for i in members)
-        ids = np.concatenate([np.asarray(tasks[i].gpu_ids, dtype=np.int64) for i in members])
+        ids = ids_of[group]
         device_ids = _to_device(ids, payload.device, keep)
         if whole:  # every row, every page: the rows are the values as they lie
             index = (device_ids.view(len(members), bpc),)
@@ -71,11 +80,7 @@ def scatter_rows(tensors: Sequence[torch.Tensor], layout: BlockLayout, payload: 
             if kv.shape[1] != page:
                 kv = kv.narrow(1, 0, page)
             pages = rows[:, offset:offset + page * bpc].unflatten(1, (bpc, page))
-            if kv.dtype != pages.dtype:
-                pages = pages.view(kv.dtype)
-            target, source = _wide(kv), _wide(pages)
-            if target.dtype != source.dtype:
-                target, source = kv, pages
+            target, source = _words(kv.view(torch.uint8), pages.view(torch.uint8))
             if whole:
                 target.index_put_(index, source)
             else:
