@@ -8,8 +8,8 @@ from plane 1) and the payloads' pages are scattered into the KV blocks (``scatte
 reads only the block's table and each frame's header (``PlanesZstdCodec.plane_spans``,
 ``check_frame``): what the CPU decoder would refuse there is refused the same way
 (``Step.CHECK``), before any device work; the start check (``self_test``) makes sure the frame
-decoder refuses a frame whose body holds fewer or more bytes than its header declares. Stores are still encoded on the
-codec threads (``pykv.codec.stage``).
+decoder refuses a frame whose body holds fewer or more bytes than its header declares. Stores
+are still encoded on the codec threads (``pykv.codec.stage``).
 
 Frame decoders: ``NvcompFrames`` (``nvidia-nvcomp-cu12`` or ``-cu13``, matching torch's CUDA) and
 ``HostFrames`` (zstandard on the host, one frame at a time: tests and the reference).
