@@ -106,6 +106,27 @@ def probe_into_outputs(nvcomp, stream, inputs: list, reference: list, kv_bytes: 
 
     _guarded(record, "out_config", configured)
 
+    def sized() -> None:  # the engine's "sized" mode: a config from the known sizes, no header read back
+        began = time.perf_counter()
+        config = nv.decompression_config(nv.compression_config(sizes))
+        record["sized_config_ms"] = round((time.perf_counter() - began) * 1e3, 2)
+        timed("out_sized", decompression_config=config)
+
+    _guarded(record, "out_sized", sized)
+
+
+def good_after(nv, nvcomp, stream, device, record: dict, how: str) -> None:
+    plane = torch.arange(1 << 16, dtype=torch.int64).remainder(251).to(torch.uint8)
+    import zstandard
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.numpy().tobytes())
+    source = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
+    out = torch.zeros(plane.numel(), dtype=torch.uint8, device=device)
+    nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream),
+              out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream),
+              decompression_config=nv.decompression_config(nv.compression_config([plane.numel()])))
+    torch.cuda.synchronize()
+    record[f"{how}_then_good"] = f"no error; bit-exact {torch.equal(out.cpu(), plane)}"
+
 
 def probe_lying_frames(nvcomp, stream, device, record: dict) -> None:
     """What nvCOMP does with frames that decode to fewer or more bytes than their header declares
@@ -124,16 +145,24 @@ def probe_lying_frames(nvcomp, stream, device, record: dict) -> None:
             size = torch.as_tensor(returned[0], device=device).numel()
             record[f"{how}_frame_own"] = f"no error; decoded to {size} of {plane_len} declared"
 
-        def into(how=how, source=source) -> None:
-            out = torch.full((plane_len,), 0xAB, dtype=torch.uint8, device=device)
+        def into(how=how, source=source, sized=False) -> None:
+            guarded = torch.full((plane_len + 2 * 65536,), 0xAB, dtype=torch.uint8, device=device)
+            out = guarded[65536:65536 + plane_len]  # 64 KiB guards each side: writes outside the output?
+            extra = {"decompression_config": nv.decompression_config(nv.compression_config([plane_len]))} \
+                if sized else {}
             nv.decode(nvcomp.as_arrays([source], cuda_stream=stream.cuda_stream),
-                      out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream))
+                      out=nvcomp.as_arrays([out], cuda_stream=stream.cuda_stream), **extra)
             torch.cuda.synchronize()
-            record[f"{how}_frame_into"] = f"no error; {int((out[-4096:] == 0xAB).sum())} of the last 4096 bytes " \
-                                          f"left as they were"
+            outside = int((guarded[:65536] != 0xAB).sum() + (guarded[-65536:] != 0xAB).sum())
+            record[f"{how}_frame_{'sized' if sized else 'into'}"] = \
+                f"no error; {int((out[-4096:] == 0xAB).sum())} of the last 4096 bytes left as they were, " \
+                f"{outside} guard bytes written"
 
         _guarded(record, f"{how}_frame_own", own)
         _guarded(record, f"{how}_frame_into", into)
+        _guarded(record, f"{how}_frame_sized", lambda how=how, source=source: into(how, source, True))
+        # a later good decode after the lying one: does an error surface late (a sticky status)?
+        _guarded(record, f"{how}_then_good", lambda: good_after(nv, nvcomp, stream, device, record, how))
 
 
 def main() -> None:

@@ -154,6 +154,21 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
     return parse
 
 
+def _switch_ms(value: Any, key: str) -> float | None:
+    """``keep`` (None) or milliseconds in ``SWITCH_MS``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "keep"):
+        return None
+    low, high = SWITCH_MS
+    try:
+        ms = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        ms = None
+    if ms is None or not low <= ms <= high:  # NaN fails too
+        raise InputError(f"{PREFIX}.{key}: expected keep or milliseconds from {low} to {high:g}, "
+                         f"got {str(value)[:40]!r}")
+    return ms
+
+
 def _codec(value: Any, key: str) -> str:
     if not isinstance(value, str) or value not in CODEC_NAMES:
         raise UnknownCodecError(f"{PREFIX}.{key}: unknown codec {str(value)[:40]!r} (known: {', '.join(CODEC_NAMES)})")
@@ -191,6 +206,8 @@ DRAM_POLICIES = tuple(EVICTION_POLICIES)
 """``dram_policy``'s choices."""
 VERIFY_MODES = ("full", "header")
 CODEC_DECODERS = ("auto", "cpu", "gpu")
+SWITCH_MS = (0.05, 100.0)
+"""The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
 """``verify``'s choices: header and payload checksum, or header only."""
 
 
@@ -250,6 +267,11 @@ class PykvConfig:
     codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads are decoded: cpu (the "
                              "codec threads), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
                              "or auto (gpu where nvCOMP is installed and passes its start check, else cpu).", "str")
+    gil_switch_ms: float | None = _key(_switch_ms, "keep", "The engine process's GIL switch interval in "
+                                      "milliseconds (sys.setswitchinterval), set when the worker starts; keep: "
+                                      "leave it (Python's default is 5). pykv's threads issue many short GIL-"
+                                      "releasing calls; beside the engine's busy loop each can wait a whole "
+                                      "interval for the GIL (docs/configuration.md, \"The GIL\").", "float")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "
@@ -343,6 +365,8 @@ class PykvConfig:
             value = getattr(self, f.name)
             if f.name in ("staging_bytes", "verify_threads", "codec_threads") and value is None:
                 value = "auto"
+            if f.name == "gil_switch_ms" and value is None:
+                value = "keep"
             if value is None or value == () or (f.name == "root" and not value):
                 continue  # an unset optional key (breakeven_file), the unused one of root and roots
             if f.metadata["type"] == "octal":

@@ -234,6 +234,16 @@ class WorkerCounter(_Documented):
     H2D_QUEUED_US = "h2d_queued_us", "Microseconds batches waited for the copier's load thread."
     H2D_GPU_US = "h2d_gpu_us", "GPU microseconds they took (CUDA events)."
     H2D_WALL_US = "h2d_wall_us", "Wall microseconds from issue to completion."
+    # a codec on the KV's device (``device_codec``), CUDA only
+    CODEC_STEPS = "codec_steps", "Device codec steps issued (a store, or several loads of one length)."
+    CODEC_LOADS = "codec_loads", "Loads in those steps (loads per step: this over the load steps)."
+    CODEC_LOAD_STEPS = "codec_load_steps", "Of the steps, load steps."
+    CODEC_QUEUED_US = "codec_queued_us", "Microseconds works waited in the codec's queue, summed over works."
+    CODEC_ISSUE_US = "codec_issue_us", "Host microseconds the issuing thread spent issuing steps."
+    CODEC_FRAMES_US = ("codec_frames_us",
+        "Of the issuing, microseconds in the GPU frame decoder's calls (planes-zstd: nvCOMP).")
+    CODEC_GPU_US = "codec_gpu_us", "GPU microseconds between each step's first and last event (CUDA events)."
+    CODEC_WALL_US = "codec_wall_us", "Wall microseconds from each step's issue to the poller seeing its end."
 
 
 WORKER_COUNTER_DOCS = {counter: counter.doc for counter in WorkerCounter}

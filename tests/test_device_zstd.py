@@ -210,6 +210,10 @@ def test_the_stream_path_ends_every_load_once_bit_exact(tensors, fake_cuda):
     assert {task.token for task, ok, _ in calls if not ok} == {i for i in range(70) if i % 10 == 9}
     assert payload_of(tensors, [2, 3]) == payload_of(source, [0, 1])
     assert not any(t.is_alive() for t in device._threads)
+    stats = device.stats  # the refused loads are never issued: only the 63 good ones count
+    assert stats["codec_loads"] == 63 and 1 <= stats["codec_load_steps"] == stats["codec_steps"] <= 63
+    assert stats["codec_gpu_us"] == 500 * stats["codec_steps"]  # the fake events: 0.5 ms each
+    assert stats["codec_frames_us"] > 0 and stats["codec_wall_us"] > 0
 
 
 def config(**keys) -> PykvConfig:
@@ -236,13 +240,16 @@ def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
-def _fake_nvcomp(*, into: bool = False, lenient: str = ""):
+def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False):
     """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
     ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``).
     ``into``: it also takes ``out=`` (a batch of outputs, filled in place; nvCOMP 6's docstrings);
-    otherwise ``out=`` is a ``TypeError``. ``lenient`` ("into", "both"): a frame holding fewer bytes
-    than it declares decodes without an error there (its tail left as it was, or zeros in an array
-    of the declared size): what the start check must catch."""
+    otherwise ``out=`` is a ``TypeError``. ``sized``: it also takes a ``decompression_config`` built
+    from sizes (``compression_config``; else those are missing, as in a build without them).
+    ``lenient`` ("into", "both", "sized"): a frame holding fewer bytes than it declares decodes
+    without an error there (its tail left as it was, or zeros in an array of the declared size;
+    "sized": only with a config, as a decoder that never reads its status back would): what the
+    start check must catch."""
 
     class Batch(list):
         pass
@@ -256,16 +263,32 @@ def _fake_nvcomp(*, into: bool = False, lenient: str = ""):
             return np.zeros(max(zstandard.frame_content_size(frame), 0), dtype=np.uint8)
 
     class Codec:
+        configs_built = 0
+
         def __init__(self, **kwargs) -> None:
             self.kwargs = kwargs
+
+        def __getattr__(self, name):
+            if sized and name == "compression_config":
+                return lambda sizes: ("sizes", tuple(sizes))
+            if sized and name == "decompression_config":
+                def config(compression):
+                    Codec.configs_built += 1
+                    return ("config", compression)
+                return config
+            raise AttributeError(name)
 
         def decode(self, src, **kwargs):
             if not isinstance(src, Batch) or ("out" in kwargs and not into):
                 raise TypeError("decode(): incompatible function arguments")
+            config = kwargs.get("decompression_config")
+            if config is not None and (not sized or config[1][1] != tuple(o.numel() for o in kwargs["out"])):
+                raise TypeError("decode(): a config of other sizes")
             if "out" not in kwargs:
                 return [inflate(bytes(frame.numpy()), lenient == "both") for frame in src]
+            soft = lenient in ("into", "both") or (lenient == "sized" and config is not None)
             for frame, target in zip(src, kwargs["out"]):
-                values = inflate(bytes(frame.numpy()), lenient in ("into", "both"))
+                values = inflate(bytes(frame.numpy()), soft)
                 if values.size > target.numel():
                     raise ValueError("output buffer too small")
                 if values.any():  # a soft failure writes nothing
@@ -310,6 +333,37 @@ def test_out_that_accepts_a_lying_frame_is_not_used(tensors, monkeypatch):
     device = decoder(kv_tensors(1), frames)
     device.self_test()
     assert frames.mode == "copy"
+    device.close()
+
+
+def test_sized_configs_decode_bit_exact_and_are_built_once_per_step_shape(tensors, monkeypatch):
+    """nvCOMP with configs from sizes (no header read back, no stream synchronization) that still
+    refuses a lying frame: the start check keeps ``sized``; a config is built once per tuple of
+    plane sizes and reused."""
+    fake = _fake_nvcomp(into=True, sized=True)
+    _install_fake(monkeypatch, fake)
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    assert frames.mode == "sized"
+    payload = payload_of(tensors, [3, 4])
+    built = fake.Codec.configs_built
+    for ids in ([5, 6], [7, 8]):
+        ok, failure, _ = load(device, CODEC.encode(payload), ids)
+        assert ok and failure is None
+        assert payload_of(device.copier.tensors, ids) == payload
+    assert fake.Codec.configs_built == built + 1
+    ok, _, _ = load(device, hostile("frame-short-content", CODEC.encode(payload))[0], [9, 10])
+    assert not ok
+    device.close()
+
+
+def test_sized_configs_silent_on_a_lying_frame_are_not_used(tensors, monkeypatch):
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True, lenient="sized"))
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    assert frames.mode == "into"
     device.close()
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -68,6 +70,7 @@ class _Work:
     store: bool
     item: CopyTask | CodedLoad
     done: Callable
+    submitted: float = field(default_factory=time.perf_counter)
 
     @property
     def task(self) -> CopyTask:
@@ -92,6 +95,7 @@ class DeviceCodec:
         self.payload = torch.empty(largest_payload * self.step_blocks, dtype=torch.int8, device=self.device)
         self.cuda = self.device.type == "cuda" if streams is None else streams  # (tests: fake streams on the CPU)
         self._held = _NOTHING  # a work taken from the queue that does not fit the step being built
+        self.stats: Counter[str] = Counter()  # codec_* (pykv.counters.WorkerCounter), CUDA only
         if not self.cuda:  # the CPU platform: one thread does each block's work in turn (never the reactor's)
             self._queued = queue.Queue()
             self._threads = [threading.Thread(target=self._run_queued, name=f"pykv-{self.name}-cpu", daemon=True)]
@@ -243,9 +247,10 @@ class DeviceCodec:
             self._issue(works)
 
     def _issue(self, works: Sequence[_Work]) -> None:
-        """One step on the stream after what its blocks wait for; its event and flag row to the poller."""
+        """One step on the stream after what its blocks wait for; its events and flag row to the poller."""
         self._free_flags.acquire()
         index, self._next_flag = self._next_flag, (self._next_flag + 1) % FLAGS
+        issuing = time.perf_counter()
         try:
             afters = {id(w.task.after): w.task.after for w in works if w.task.after is not None}
             for event in afters.values():
@@ -253,25 +258,39 @@ class DeviceCodec:
             if any(w.task.after is None for w in works):
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(self._stream)
                 bad, stored, keep = self._run(works)
                 self._flags[index, :len(works)].copy_(bad, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
         except Exception as error:  # noqa: BLE001
             self._free_flags.release()
             self._step_raised(works, error, self._issue)
             return
-        self._pending.put((works, index, stored, event, keep))
+        self._count_issue(works, issuing)
+        self._pending.put((works, index, stored, (began, event, issuing), keep))
+
+    def _count_issue(self, works: Sequence[_Work], issuing: float) -> None:
+        stats = self.stats
+        stats["codec_steps"] += 1
+        if not works[0].store:
+            stats["codec_load_steps"] += 1
+            stats["codec_loads"] += len(works)
+        stats["codec_queued_us"] += int(sum(issuing - work.submitted for work in works) * 1e6)
+        stats["codec_issue_us"] += int((time.perf_counter() - issuing) * 1e6)
 
     def _poll(self) -> None:
         while True:
             item = self._pending.get()
             if item is None:
                 return
-            works, index, stored, event, _keep = item
+            works, index, stored, (began, event, issuing), _keep = item
             try:
                 event.synchronize()
                 flags = self._flags[index, :len(works)].tolist()
+                self.stats["codec_gpu_us"] += int(began.elapsed_time(event) * 1e3)
+                self.stats["codec_wall_us"] += int((time.perf_counter() - issuing) * 1e6)
             except Exception as error:  # noqa: BLE001
                 self._free_flags.release()
                 for work in works:

@@ -36,6 +36,7 @@ from pykv.counters import CounterFile, WorkerCounter
 from pykv.failures import BlockFailure, Step
 from pykv.format_codec import NONE
 from pykv.format import HEADER_SIZE
+from pykv.gil import apply_switch_interval
 from pykv.jobledger import JobEnd, Kind, Release
 from pykv.store import BlockRef, BlockStore, CopyDone, EngineShape, SlotCopy
 
@@ -73,6 +74,7 @@ class PykvWorker(OffloadingWorker):
 
     def __init__(self, config: OffloadingConfig, pykv: PykvConfig, kv_caches: CanonicalKVCaches) -> None:
         self.config, self.pykv = config, pykv
+        apply_switch_interval(pykv.gil_switch_ms)
         self.rank = config.parallel.rank
         self.layout = BlockLayout.from_kv_caches(kv_caches, config)
         tensors = [t.tensor for t in kv_caches.tensors]
@@ -388,4 +390,5 @@ class PykvWorker(OffloadingWorker):
                 self._stats_in_flight = len(self._jobs)
             self._stats_due = time.monotonic() + STATS_INTERVAL_S
             self._stats_file.write({**self.store.stats(), **getattr(self.copier, "stats", {}),
+                                    **getattr(self.device_codec, "stats", {}),
                                     WorkerCounter.JOBS_IN_FLIGHT: in_flight})
