@@ -1,7 +1,8 @@
 """``scatter_rows`` (pykv/connector/scatter.py) writes exactly what the plain copier writes from
 the same payloads: every page of every row into its KV block, nothing else; for whole chunks and
 partial ones (a skip, fewer ids), descending and scattered ids, several groups in one step, rows
-wider than the page, and pages whose sizes or offsets are not whole 8-byte words."""
+wider than the page, and pages whose sizes or offsets are not whole 8-byte words; and one
+``RowScatter`` reused over many steps (its kept views) writes what a fresh one writes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
-from pykv.connector.scatter import scatter_rows  # noqa: E402
+from pykv.connector.scatter import RowScatter, scatter_rows  # noqa: E402
 
 NUM_BLOCKS = 40
 
@@ -130,3 +131,27 @@ def test_fp8_kv_tensors_move_as_bits():
     scatter_rows(tensors, LAYOUT, payload, RAW, [task([9, 3, 4, 5])])
     want = expected([t.view(torch.int8) for t in kv_tensors([PAGE] * 3)], LAYOUT, payload, RAW, [task([9, 3, 4, 5])])
     assert all(torch.equal(a.view(torch.int8), b) for a, b in zip(tensors, want))
+
+
+def test_one_row_scatter_over_many_steps_matches_fresh_ones():
+    """The views a RowScatter keeps (by rows, row length, group) stay right as the scratch's
+    contents, the step's shape and whole/partial chunks change from step to step."""
+    layout = BlockLayout(2, 32, ((RefPage(0, 16), RefPage(1, 24)), (RefPage(2, 8),)))
+    raws = {0: 2 * (16 + 24), 1: 2 * 8}
+    tensors = kv_tensors([16, 24, 8])
+    scratch = torch.zeros(4 * raws[0], dtype=torch.int8)
+    kept = RowScatter(tensors, layout, scratch)
+    rng = np.random.default_rng(5)
+    for step in range(40):
+        group = int(rng.integers(0, 2))
+        raw = raws[group]
+        count = int(rng.integers(1, 5))
+        free = list(rng.permutation(NUM_BLOCKS))
+        tasks = []
+        for _ in range(count):
+            skip = int(rng.integers(0, 2)) if rng.random() < 0.3 else 0
+            tasks.append(task([free.pop() for _ in range(2 - skip)], skip=skip, group=group))
+        scratch[:count * raw] = payload_rows(count, raw, seed=step)
+        want = expected(tensors, layout, scratch[:count * raw].clone(), raw, tasks)
+        kept.rows(raw, tasks)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, want)), f"step {step} differs"

@@ -36,7 +36,7 @@ from pykv.errors import InputError
 from pykv.failures import BlockFailure, Step
 
 from pykv.connector.copier import CopyTask, TorchCopier
-from pykv.connector.scatter import scatter_rows
+from pykv.connector.scatter import RowScatter
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class DeviceCodec:
         self.largest = largest_payload
         self.step_blocks = step_blocks or max(1, min(MAX_STEP_BLOCKS, self.step_bytes // max(largest_payload, 1)))
         self.payload = torch.empty(largest_payload * self.step_blocks, dtype=torch.int8, device=self.device)
+        self.scatter = RowScatter(copier.tensors, copier.layout, self.payload)
         self.cuda = self.device.type == "cuda" if streams is None else streams  # (tests: fake streams on the CPU)
         self._held = _NOTHING  # a work taken from the queue that does not fit the step being built
         self.stats: Counter[str] = Counter()  # codec_* (pykv.counters.WorkerCounter), CUDA only
@@ -153,9 +154,8 @@ class DeviceCodec:
     def _into_kv_rows(self, loads: Sequence[CodedLoad]) -> object:
         """Row i of the scratch payload (the decoded payload of ``loads[i]``, all of one length)
         into that load's KV blocks, after the decode in stream order: one indexing kernel per KV
-        tensor for them all (``scatter.scatter_rows``)."""
-        return scatter_rows(self.copier.tensors, self.copier.layout, self.payload, loads[0].raw_length,
-                            [load.task for load in loads])
+        tensor for them all (``scatter.RowScatter``)."""
+        return self.scatter.rows(loads[0].raw_length, [load.task for load in loads])
 
     # -- steps -------------------------------------------------------------------------------------
     def _take(self) -> list[_Work] | None:
