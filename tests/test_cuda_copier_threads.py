@@ -236,3 +236,31 @@ def test_a_thread_that_cannot_select_the_device_still_ends_every_copy(fake_cuda,
             copier.close()
     assert len(ended) == 3
     assert any("could not select" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["torch", "cuda-torch", "cuda-batched"])
+def test_copy_ranges_moves_exactly_the_ranges(fake_cuda, kind):
+    """``copy_ranges``: every (source, at, target, to, length) row lands where it says, from
+    several sources into two targets, nothing else written; the batched op gets one call."""
+    g = torch.Generator().manual_seed(9)
+    sources = [torch.randint(-128, 127, (n,), dtype=torch.int8, generator=g) for n in (300, 50, 1000)]
+    targets = (torch.zeros(700, dtype=torch.uint8), torch.zeros(400, dtype=torch.uint8))
+    ranges = np.array([(0, 10, 0, 0, 100), (2, 999, 0, 100, 1), (1, 0, 1, 7, 50), (2, 3, 1, 300, 97),
+                       (0, 200, 0, 600, 100)], dtype=np.int64)
+    want = [t.clone() for t in targets]
+    for s, at, t, to, n in ranges.tolist():
+        want[t][to:to + n] = sources[s].view(torch.uint8)[at:at + n]
+    calls = []
+    if kind == "torch":
+        copier = TorchCopier(_kv(), LAYOUT)
+    else:
+        copier = CudaCopier(_kv(), LAYOUT, streams=1, batched=False)
+        if kind == "cuda-batched":
+            copier._batch_op = lambda *args, **kw: (calls.append(len(args[0])), _memmove_op(*args, **kw))
+    try:
+        kept = copier.copy_ranges(sources, targets, ranges, source_in_order=False)
+    finally:
+        copier.close()
+    assert all(torch.equal(a, b) for a, b in zip(targets, want))
+    assert calls == ([5] if kind == "cuda-batched" else [])
+    assert (kept is not None) == (kind == "cuda-batched")  # the pointer tensors, kept by the caller

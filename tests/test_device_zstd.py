@@ -8,6 +8,7 @@ too; the stream path ends each block once; ``device_codec_for`` picks the decode
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import sys
 import types
@@ -169,9 +170,9 @@ def test_what_the_cpu_decoder_refuses_is_a_check_failure(tensors, case):
 
 
 class FlaggingFrames(HostFrames):
-    def decode(self, frames, outputs):
-        super().decode(frames, outputs)
-        return torch.ones((), dtype=torch.bool)
+    def decode(self, source, frames, target, outputs):
+        super().decode(source, frames, target, outputs)
+        return torch.ones((), dtype=torch.bool), None
 
 
 def test_a_frame_decoders_bad_flag_fails_the_load(tensors):
@@ -181,10 +182,10 @@ def test_a_frame_decoders_bad_flag_fails_the_load(tensors):
 
 
 class WrongFrames(HostFrames):
-    def decode(self, frames, outputs):
-        for out in outputs:
-            out.fill_(7)
-        return torch.zeros((), dtype=torch.bool)
+    def decode(self, source, frames, target, outputs):
+        for into, size in outputs.tolist():
+            target[into:into + size].fill_(7)
+        return torch.zeros((), dtype=torch.bool), None
 
 
 def test_the_start_check_refuses_a_decoder_that_writes_wrong_bytes(tensors):
@@ -240,9 +241,11 @@ def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
-def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False):
+def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, interface: bool = True):
     """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
     ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``).
+    ``as_arrays`` takes torch tensors and, with ``interface``, objects with a CUDA Array Interface
+    (here over host memory: the tests run on the CPU); else those are a ``TypeError``.
     ``into``: it also takes ``out=`` (a batch of outputs, filled in place; nvCOMP 6's docstrings);
     otherwise ``out=`` is a ``TypeError``. ``sized``: it also takes a ``decompression_config`` built
     from sizes (``compression_config``; else those are missing, as in a build without them).
@@ -295,8 +298,19 @@ def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False):
                     target[:values.size].copy_(torch.from_numpy(values.copy()))
             return kwargs["out"]
 
+    def as_tensor(item):
+        if isinstance(item, torch.Tensor):
+            return item
+        face = getattr(item, "__cuda_array_interface__", None)
+        if not interface or face is None:
+            raise TypeError(f"as_arrays(): unsupported {type(item).__name__}")
+        assert face["version"] == 3 and face["typestr"] == "|u1" and face["strides"] is None
+        (length,), (address, readonly) = face["shape"], face["data"]
+        assert not readonly
+        return torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+
     return types.SimpleNamespace(BitstreamKind=types.SimpleNamespace(RAW="raw"), Codec=Codec,
-                                 as_arrays=lambda items, cuda_stream=0: Batch(items))
+                                 as_arrays=lambda items, cuda_stream=0: Batch(as_tensor(i) for i in items))
 
 
 def _install_fake(monkeypatch, fake) -> None:
@@ -378,13 +392,13 @@ def test_a_decoder_silent_on_lying_frames_either_way_fails_the_start_check(tenso
 
 def test_the_start_check_refuses_a_decoder_that_accepts_a_lying_frame(tensors):
     class Lenient(HostFrames):
-        def decode(self, frames, outputs):
+        def decode(self, source, frames, target, outputs):
             for frame, out in zip(frames, outputs):
                 try:
-                    super().decode([frame], [out])
+                    super().decode(source, frame[None], target, out[None])
                 except Exception:  # noqa: BLE001 - swallowed: what the check must notice
                     pass
-            return torch.zeros((), dtype=torch.bool)
+            return torch.zeros((), dtype=torch.bool), None
     with pytest.raises(InputError, match="bytes than it declares"):
         decoder(tensors, Lenient(CODEC)).self_test()
 
@@ -428,4 +442,44 @@ def test_the_workers_start_line_says_where_blocks_are_decoded(tensors):
     assert where_decoded(CODEC, None) == ", decoded on the codec threads"
     device = decoder(tensors, step_blocks=3)
     assert where_decoded(CODEC, device) == ", decoded by DevicePlanesZstd (3 blocks per device step)"
+    device.close()
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_without_array_interfaces_the_slices_modes_are_chosen(tensors, monkeypatch, sized):
+    """nvCOMP refusing ``DeviceBytes`` (no CUDA Array Interface support): the start check passes
+    over the interface modes and keeps the same decode with torch slices."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=sized, interface=False))
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    assert frames.mode == ("sized-slices" if sized else "into-slices")
+    payload = payload_of(tensors, [3, 4])
+    ok, failure, _ = load(device, CODEC.encode(payload), [5, 6])
+    assert ok and failure is None and payload_of(device.copier.tensors, [5, 6]) == payload
+    device.close()
+
+
+@pytest.mark.parametrize("mode", NvcompFrames.modes)
+def test_a_step_of_several_loads_through_nvcomp_is_bit_exact_in_every_mode(tensors, monkeypatch, mode):
+    """Four loads in one step (frames of all packed into the stored scratch, raw planes straight
+    into the planes scratch, one decoder call), mixed whole and partial chunks: each block's rows
+    get exactly its payload's pages."""
+    from pykv.connector.device_codec import _Work
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True))
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(tensors, frames, step_blocks=4)
+    frames.mode = mode
+    payloads = [payload_of(kv_tensors(40 + i), [0, 1]) for i in range(4)]
+    plan = [([2, 3], 0), ([9, 8], 0), ([13], 1), ([0, 5], 0)]
+    ends = Ends()
+    works = [_Work(False, CodedLoad(CopyTask(torch.frombuffer(bytearray(CODEC.encode(p)), dtype=torch.int8), 0,
+                                             np.asarray(ids), skip, token=n), RAW, CODEC.params), ends)
+             for n, (p, (ids, skip)) in enumerate(zip(payloads, plan))]
+    device._run_now(works)
+    assert all(ok for _, ok, _ in ends.wait(4))
+    assert payload_of(tensors, [2, 3]) == payloads[0] and payload_of(tensors, [9, 8]) == payloads[1]
+    assert payload_of(tensors, [0, 5]) == payloads[3]
+    page = torch.frombuffer(bytearray(payloads[2]), dtype=torch.int8)
+    assert torch.equal(tensors[0][13], page[PAGE:2 * PAGE]) and torch.equal(tensors[1][13], page[3 * PAGE:])
     device.close()

@@ -132,6 +132,18 @@ class TorchCopier:
             self._copy(task, to_slot=to_slot)
         return None
 
+    def copy_ranges(self, sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], ranges: np.ndarray, *,
+                    source_in_order: bool) -> object:
+        """Byte ranges between flat tensors, queued on the current stream: row ``(s, at, t, to,
+        length)`` of ``ranges`` copies ``length`` bytes at byte ``at`` of ``sources[s]`` to byte
+        ``to`` of ``targets[t]`` (both contiguous; the caller checked the bounds). Returns what
+        must live until the stream passes the copies. ``source_in_order``: device work queued
+        before writes the sources (else they are page-locked host memory no device work writes)."""
+        for s, at, t, to, length in ranges.tolist():
+            into = targets[t].view(torch.uint8)[to:to + length]
+            into.copy_(sources[s].view(torch.uint8)[at:at + length], non_blocking=self.non_blocking)
+        return None
+
     def to_slots(self, tasks: Sequence[CopyTask], done: Done) -> None:
         self._copy_each(tasks, done, to_slot=True)
 
@@ -290,6 +302,18 @@ class CudaCopier(TorchCopier):
         """As ``TorchCopier``'s, with the batched op (one call for all tasks); the payloads are
         written by device work queued before the copy, so the copy reads them in stream order."""
         return self._issue(tasks, to_slot=to_slot, source_in_order=True)
+
+    def copy_ranges(self, sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], ranges: np.ndarray, *,
+                    source_in_order: bool) -> object:
+        """As ``TorchCopier``'s, all ranges in one call of the batched op where it is present."""
+        if self._batch_op is None or not len(ranges):
+            return super().copy_ranges(sources, targets, ranges, source_in_order=source_in_order)
+        starts = [np.array([t.data_ptr() for t in tensors], dtype=np.int64) for tensors in (sources, targets)]
+        pointers = (torch.from_numpy(starts[0][ranges[:, 0]] + ranges[:, 1]),
+                    torch.from_numpy(starts[1][ranges[:, 2]] + ranges[:, 3]),
+                    torch.from_numpy(np.ascontiguousarray(ranges[:, 4])))
+        self._batch_op(*pointers, is_src_access_order_any=not source_in_order)
+        return pointers
 
     def _issue(self, tasks: Sequence[CopyTask], *, to_slot: bool, source_in_order: bool = False) -> object:
         """Queue the copies of ``tasks`` on the current stream; returns what must live until they end.

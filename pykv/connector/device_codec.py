@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from pykv.codec.base import CodecError
@@ -338,12 +339,13 @@ class DeviceFp8(DeviceCodec):
         return bad, head + codes.numel(), (keep, codes, scales)
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
-        """The loads' stored bytes into rows of the stored scratch, one dequantize over all rows,
-        one scatter of the payload rows into the KV blocks."""
+        """The loads' stored bytes into rows of the stored scratch (one copy call), one dequantize
+        over all rows, one scatter of the payload rows into the KV blocks."""
         count, raw = len(loads), loads[0].raw_length
         length = self.codec.stored_length(raw)
+        rows = np.array([(row, 0, 0, row * length, length) for row in range(count)], dtype=np.int64)
+        kept = self.copier.copy_ranges([load.task.payload for load in loads], (self._stored,), rows,
+                                       source_in_order=False)
         stored = self._stored[:count * length].view(count, length)
-        for row, load in zip(stored, loads):
-            row.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
         bad = decode_rows(stored, self.payload[:count * raw].view(torch.uint8).view(count, raw), self.codec)
-        return bad, self._into_kv_rows(loads)
+        return bad, (self._into_kv_rows(loads), kept)

@@ -58,10 +58,13 @@ def lying_frame(declared: int, holding: int) -> bytes:
 
 
 class FrameDecoder(Protocol):
-    def decode(self, frames: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Decode each uint8 zstd frame into its output (exactly the output's size) on the current
-        stream; a 0-d bool tensor on the outputs' device: True if a frame did not decode to
-        exactly its output. May raise ``CodecError`` (a miss)."""
+    def decode(self, source: torch.Tensor, frames: np.ndarray, target: torch.Tensor,
+               outputs: np.ndarray) -> tuple[torch.Tensor, object]:
+        """Decode each zstd frame (row ``(offset, length)`` of ``frames``: bytes of the flat uint8
+        ``source``) into its output (the same row of ``outputs``: bytes of the flat uint8
+        ``target``, exactly filled) on the current stream. Returns a 0-d bool tensor on the
+        target's device (True if a frame did not decode to exactly its output) and what must
+        live until the stream passes the work. May raise ``CodecError`` (a miss)."""
 
 
 class HostFrames:
@@ -70,12 +73,29 @@ class HostFrames:
     def __init__(self, codec: PlanesZstdCodec) -> None:
         self.codec = codec
 
-    def decode(self, frames: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        for frame, out in zip(frames, outputs):
-            plane = np.empty(out.numel(), dtype=np.uint8)
-            self.codec.inflate(memoryview(frame.cpu().numpy()), plane)
-            out.copy_(torch.from_numpy(plane))
-        return torch.zeros((), dtype=torch.bool, device=outputs[0].device if outputs else "cpu")
+    def decode(self, source: torch.Tensor, frames: np.ndarray, target: torch.Tensor,
+               outputs: np.ndarray) -> tuple[torch.Tensor, object]:
+        host = source.cpu().numpy()
+        for (offset, length), (into, size) in zip(frames.tolist(), outputs.tolist()):
+            plane = np.empty(size, dtype=np.uint8)
+            self.codec.inflate(memoryview(host[offset:offset + length]), plane)
+            target[into:into + size].copy_(torch.from_numpy(plane))
+        return torch.zeros((), dtype=torch.bool, device=target.device), None
+
+
+class DeviceBytes:
+    """``length`` bytes of device memory at ``address`` as a CUDA Array Interface (v3) object:
+    how a step hands nvCOMP its frames and planes without a torch call per frame."""
+
+    __slots__ = ("_interface",)
+
+    def __init__(self, address: int, length: int) -> None:
+        self._interface = {"shape": (length,), "typestr": "|u1", "data": (address, False), "strides": None,
+                           "version": 3, "stream": None}  # None: the work is ordered on nvCOMP's stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._interface
 
 
 class NvcompFrames:
@@ -85,9 +105,10 @@ class NvcompFrames:
     their sizes (nvCOMP neither reads the headers back nor synchronizes the stream); ``into``
     decodes straight into the outputs (``out=``: no allocation per frame, no copy; nvCOMP reads
     the headers, synchronizing the stream); ``copy`` into nvCOMP's own arrays, each checked for
-    its size and copied."""
+    its size and copied. Frames and outputs go to nvCOMP as ``DeviceBytes``, or, in the
+    ``-slices`` modes (where nvCOMP refuses those), as torch slices."""
 
-    modes = ("sized", "into", "copy")
+    modes = ("sized", "into", "sized-slices", "into-slices", "copy")
     mode = "copy"  # until the start check chooses
     _CONFIGS = 64  # decompression configs kept, by the step's tuple of plane sizes
 
@@ -112,25 +133,35 @@ class NvcompFrames:
                 self._codec.compression_config(list(sizes)))
         return config
 
-    def decode(self, frames: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _arrays(self, buffer: torch.Tensor, spans: np.ndarray) -> object:
+        """The spans of ``buffer`` as one nvCOMP batch."""
+        if self.mode in ("sized", "into"):
+            base = buffer.data_ptr()
+            items: list = [DeviceBytes(base + offset, length) for offset, length in spans.tolist()]
+        else:
+            items = [buffer[offset:offset + length] for offset, length in spans.tolist()]
         # one batch (as_arrays): nvCOMP 6's decode takes an Array or such a batch, not a list of Arrays
-        arrays = self._nvcomp.as_arrays(list(frames), cuda_stream=self._stream)
-        bad = torch.zeros((), dtype=torch.bool, device=outputs[0].device)
-        if self.mode in ("into", "sized"):
-            targets = self._nvcomp.as_arrays(list(outputs), cuda_stream=self._stream)
-            if self.mode == "sized":
-                config = self._config(tuple(out.numel() for out in outputs))
+        return self._nvcomp.as_arrays(items, cuda_stream=self._stream)
+
+    def decode(self, source: torch.Tensor, frames: np.ndarray, target: torch.Tensor,
+               outputs: np.ndarray) -> tuple[torch.Tensor, object]:
+        arrays = self._arrays(source, frames)
+        bad = torch.zeros((), dtype=torch.bool, device=target.device)
+        if self.mode != "copy":
+            targets = self._arrays(target, outputs)
+            if self.mode.startswith("sized"):
+                config = self._config(tuple(outputs[:, 1].tolist()))
                 self._codec.decode(arrays, out=targets, decompression_config=config)
             else:
                 self._codec.decode(arrays, out=targets)
-            return bad
-        for out, array in zip(outputs, self._codec.decode(arrays)):
-            decoded = torch.as_tensor(array, device=out.device).view(torch.uint8).reshape(-1)
-            if decoded.numel() != out.numel():
-                raise CodecError("planes-zstd", f"a frame decoded to {decoded.numel()} bytes on the GPU, "
-                                                f"not {out.numel()}")
-            out.copy_(decoded, non_blocking=True)
-        return bad
+            return bad, (arrays, targets)
+        decoded_arrays = self._codec.decode(arrays)
+        for (into, size), array in zip(outputs.tolist(), decoded_arrays):
+            decoded = torch.as_tensor(array, device=target.device).view(torch.uint8).reshape(-1)
+            if decoded.numel() != size:
+                raise CodecError("planes-zstd", f"a frame decoded to {decoded.numel()} bytes on the GPU, not {size}")
+            target[into:into + size].copy_(decoded, non_blocking=True)
+        return bad, (arrays, decoded_arrays)
 
 
 class DevicePlanesZstd(DeviceCodec):
@@ -196,7 +227,7 @@ class DevicePlanesZstd(DeviceCodec):
     def _decode_now(self, frame: bytes, out: torch.Tensor) -> bool:
         source = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(self.device)
         with torch.cuda.stream(self._stream) if self.device.type == "cuda" else _no_stream():
-            bad = self.frames.decode([source], [out])
+            bad, _ = self.frames.decode(source, np.array([[0, len(frame)]]), out, np.array([[0, out.numel()]]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return bool(bad)
@@ -208,32 +239,40 @@ class DevicePlanesZstd(DeviceCodec):
         return refused
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
-        """Every zstd frame of the loads in one call of the frame decoder (raw planes copied),
-        the planes of all rows interleaved at once, one scatter into the KV blocks. A frame
-        decoder's bad flag fails every load of the step."""
+        """The step's stored bytes to the device in one copy call (zstd frames packed into the
+        stored scratch, raw planes straight into the planes scratch), every frame in one call of
+        the frame decoder, the planes of all rows interleaved at once, one scatter into the KV
+        blocks: a few torch calls per step, none per frame (``pykv.gil``). A frame decoder's bad
+        flag fails every load of the step."""
         count, raw = len(loads), loads[0].raw_length
         half = raw // 2
-        frames, outputs = [], []
-        for row, load in enumerate(loads):
-            host = load.task.payload.view(torch.uint8).numpy()  # the page-locked slot: read in place
-            chunks = self.codec.plane_spans(host, raw)
-            stored = self._stored[row * self._stored_row:row * self._stored_row + host.size]
-            stored.copy_(load.task.payload.view(torch.uint8), non_blocking=self.cuda)
-            planes = self._planes[row * raw:(row + 1) * raw]
-            for start, size, spans in chunks:
+        slots = [load.task.payload for load in loads]
+        moves: list[tuple[int, int, int, int, int]] = []  # (slot, at, 0 stored | 1 planes, to, length)
+        frames: list[tuple[int, int]] = []  # (offset in the stored scratch, length)
+        outputs: list[tuple[int, int]] = []  # (offset in the planes scratch, length)
+        packed = 0
+        for row, slot in enumerate(slots):
+            host = slot.numpy().view(np.uint8)  # the page-locked slot: read in place
+            for start, size, spans in self.codec.plane_spans(host, raw):
                 for plane, (position, length) in enumerate(spans):
-                    into = planes[plane * half + start // 2:plane * half + (start + size) // 2]
+                    into = row * raw + plane * half + start // 2
                     if length == size // 2:
-                        into.copy_(stored[position:position + length], non_blocking=self.cuda)
-                    else:
-                        self.codec.check_frame(host[position:position + length], size // 2)
-                        frames.append(stored[position:position + length])
-                        outputs.append(into)
+                        moves.append((row, position, 1, into, length))
+                        continue
+                    self.codec.check_frame(host[position:position + length], size // 2)
+                    moves.append((row, position, 0, packed, length))
+                    frames.append((packed, length))
+                    outputs.append((into, size // 2))
+                    packed += length
+        kept = self.copier.copy_ranges(slots, (self._stored, self._planes), np.array(moves, dtype=np.int64),
+                                       source_in_order=False)
         calling = time.perf_counter()
-        bad = self.frames.decode(frames, outputs) if frames else torch.zeros((), dtype=torch.bool, device=self.device)
+        if frames:
+            bad, decoding = self.frames.decode(self._stored, np.array(frames, dtype=np.int64), self._planes,
+                                               np.array(outputs, dtype=np.int64))
+        else:
+            bad, decoding = torch.zeros((), dtype=torch.bool, device=self.device), None
         self.stats["codec_frames_us"] += int((time.perf_counter() - calling) * 1e6)
         values = self.payload[:count * raw].view(torch.uint8).view(count, half, 2)
-        planes = self._planes[:count * raw].view(count, 2, half)
-        values[:, :, 0].copy_(planes[:, 0])
-        values[:, :, 1].copy_(planes[:, 1])
-        return bad.reshape(1).expand(count), (self._into_kv_rows(loads), frames)
+        values.copy_(self._planes[:count * raw].view(count, 2, half).transpose(1, 2))  # byte b from plane b
+        return bad.reshape(1).expand(count), (self._into_kv_rows(loads), kept, decoding)
