@@ -339,12 +339,13 @@ def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, 
     device.close()
 
 
-def test_out_that_accepts_a_lying_frame_is_not_used(tensors, monkeypatch):
-    """nvCOMP taking ``out=`` but decoding a short frame without an error (its tail stale): the
-    start check keeps the copying mode, whose size check refuses that frame."""
+def test_out_that_accepts_a_lying_frame_is_not_used_unchecked(tensors, monkeypatch):
+    """nvCOMP taking ``out=`` but decoding a short frame without an error (its tail stale), and
+    no checksum verified before decoding (verify=header): the start check keeps the copying mode,
+    whose size check refuses that frame."""
     _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="into"))
     frames = NvcompFrames(torch.device("cpu"), None)
-    device = decoder(kv_tensors(1), frames)
+    device = decoder(kv_tensors(1), frames, checked=False)
     device.self_test()
     assert frames.mode == "copy"
     device.close()
@@ -372,21 +373,22 @@ def test_sized_configs_decode_bit_exact_and_are_built_once_per_step_shape(tensor
     device.close()
 
 
-def test_sized_configs_silent_on_a_lying_frame_are_not_used(tensors, monkeypatch):
+def test_sized_configs_silent_on_a_lying_frame_are_not_used_unchecked(tensors, monkeypatch):
     _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True, lenient="sized"))
     frames = NvcompFrames(torch.device("cpu"), None)
-    device = decoder(kv_tensors(1), frames)
+    device = decoder(kv_tensors(1), frames, checked=False)
     device.self_test()
     assert frames.mode == "into"
     device.close()
 
 
-def test_a_decoder_silent_on_lying_frames_either_way_fails_the_start_check(tensors, monkeypatch):
+def test_a_decoder_silent_on_lying_frames_either_way_fails_the_start_check_unchecked(tensors, monkeypatch):
     _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="both"))
-    device = decoder(kv_tensors(1), NvcompFrames(torch.device("cpu"), None))
+    device = decoder(kv_tensors(1), NvcompFrames(torch.device("cpu"), None), checked=False)
     with pytest.raises(InputError, match="start check") as refused:
         device.self_test()
-    assert "bytes than it declares" in str(refused.value) and "\n" not in str(refused.value)
+    assert "bytes than it declares" in str(refused.value) and "verify=full" in str(refused.value)
+    assert "\n" not in str(refused.value)
     device.close()
 
 
@@ -400,7 +402,10 @@ def test_the_start_check_refuses_a_decoder_that_accepts_a_lying_frame(tensors):
                     pass
             return torch.zeros((), dtype=torch.bool), None
     with pytest.raises(InputError, match="bytes than it declares"):
-        decoder(tensors, Lenient(CODEC)).self_test()
+        decoder(tensors, Lenient(CODEC), checked=False).self_test()
+    lax = decoder(tensors, Lenient(CODEC))  # the stored bytes checked first: kept, and said so
+    lax.self_test()
+    assert lax.lax_frames
 
 
 @pytest.mark.parametrize("holding", [(1 << 16) - 4096, (1 << 16) + 4096, 300, 70_000])
@@ -483,3 +488,55 @@ def test_a_step_of_several_loads_through_nvcomp_is_bit_exact_in_every_mode(tenso
     page = torch.frombuffer(bytearray(payloads[2]), dtype=torch.int8)
     assert torch.equal(tensors[0][13], page[PAGE:2 * PAGE]) and torch.equal(tensors[1][13], page[3 * PAGE:])
     device.close()
+
+
+class Overrunning(HostFrames):
+    """Decodes right, then writes 16 bytes past each output (through the raw pointer)."""
+
+    def decode(self, source, frames, target, outputs):
+        flag, kept = super().decode(source, frames, target, outputs)
+        for into, size in outputs.tolist():
+            ctypes.memset(target.data_ptr() + into + size, 1, 16)
+        return flag, kept
+
+
+def test_a_decoder_writing_outside_its_plane_is_refused_even_checked(tensors):
+    with pytest.raises(InputError, match="outside its plane") as refused:
+        decoder(tensors, Overrunning(CODEC)).self_test()
+    assert "\n" not in str(refused.value)
+
+
+def test_a_lax_decoder_is_kept_where_the_stored_bytes_are_checked(tensors, monkeypatch):
+    """nvCOMP 6.0 as the H200 showed it (run 22): a frame holding fewer bytes than it declares
+    decodes without an error in every mode. With the stored bytes checked first, the start check
+    keeps the first mode and says it is lax."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True, lenient="both"))
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), frames)
+    device.self_test()
+    assert frames.mode == "sized" and device.lax_frames
+    payload = payload_of(tensors, [3, 4])
+    ok, _, _ = load(device, CODEC.encode(payload), [5, 6])
+    assert ok and payload_of(device.copier.tensors, [5, 6]) == payload
+    device.close()
+
+
+def test_a_short_frame_never_shows_an_earlier_steps_bytes(monkeypatch):
+    """A lax decoder leaves a short frame's tail unwritten: the planes are zeroed each step, so
+    the hostile block loads the same KV whatever the decoder held before (never another block's
+    bytes)."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="both"))
+    hostile_stored = hostile("frame-short-content", CODEC.encode(payload_of(kv_tensors(6), [0, 1])))[0]
+    loaded = []
+    for earlier in (7, 8):
+        tensors = kv_tensors(earlier)
+        device = decoder(tensors, NvcompFrames(torch.device("cpu"), None))
+        device.self_test()
+        assert device.lax_frames
+        ok, _, _ = load(device, CODEC.encode(payload_of(kv_tensors(earlier + 10), [0, 1])), [2, 3])
+        assert ok
+        ok, _, _ = load(device, hostile_stored, [9, 10])
+        assert ok  # not refused by this decoder: the checksum is what catches it (verify=full)
+        loaded.append(payload_of(tensors, [9, 10]))
+        device.close()
+    assert loaded[0] == loaded[1]

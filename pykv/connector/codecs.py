@@ -47,7 +47,8 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
     from pykv.connector.device_zstd import DevicePlanesZstd
     device = None
     try:
-        device = DevicePlanesZstd(codec, copier, max(payload_lengths))
+        checked = pykv.verify == "full" or pykv.auth_key_file is not None  # the stored bytes checked first
+        device = DevicePlanesZstd(codec, copier, max(payload_lengths), checked=checked)
         device.self_test()
     except InputError as exc:
         if device is not None:

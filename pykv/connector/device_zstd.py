@@ -7,9 +7,11 @@ there, the planes are interleaved into the payloads (byte 0 of each value from p
 from plane 1) and the payloads' pages are scattered into the KV blocks (``scatter``). The host
 reads only the block's table and each frame's header (``PlanesZstdCodec.plane_spans``,
 ``check_frame``): what the CPU decoder would refuse there is refused the same way
-(``Step.CHECK``), before any device work; the start check (``self_test``) makes sure the frame
-decoder refuses a frame whose body holds fewer or more bytes than its header declares. Stores
-are still encoded on the codec threads (``pykv.codec.stage``).
+(``Step.CHECK``), before any device work. nvCOMP 6.0 does not check a frame's body against the
+size its header declares (the start check, ``self_test``, finds out), so it is used only where
+the stored bytes' checksum or MAC is verified before decoding, and never if it writes outside a
+plane; each step's planes are zeroed first, so a short frame shows zeros, never an earlier step's
+bytes. Stores are still encoded on the codec threads (``pykv.codec.stage``).
 
 Frame decoders: ``NvcompFrames`` (``nvidia-nvcomp-cu12`` or ``-cu13``, matching torch's CUDA) and
 ``HostFrames`` (zstandard on the host, one frame at a time: tests and the reference).
@@ -166,19 +168,21 @@ class NvcompFrames:
 
 class DevicePlanesZstd(DeviceCodec):
     """Decodes ``planes-zstd`` loads on the KV's device with ``frames``; ``largest_payload``: the
-    largest raw payload of the engine's storage blocks."""
+    largest raw payload of the engine's storage blocks; ``checked``: the stored bytes' checksum or
+    MAC is verified before a load gets here (``verify=full`` or ``auth_key_file``)."""
 
     name = "planes-zstd"
     encodes = False
     step_bytes = STEP_BYTES // 2  # its scratch is three times the payload (stored, planes, payload)
 
     def __init__(self, codec: PlanesZstdCodec, copier: TorchCopier, largest_payload: int,
-                 frames: FrameDecoder | None = None, *, streams: bool | None = None,
+                 frames: FrameDecoder | None = None, *, checked: bool = True, streams: bool | None = None,
                  step_blocks: int | None = None) -> None:
         if codec.elem != 2:
             raise InputError(f"codec planes-zstd decodes on the GPU 2-byte values only, not {codec.elem}-byte")
         super().__init__(codec.params, copier, largest_payload, streams=streams, step_blocks=step_blocks)
-        self.codec = codec
+        self.codec, self.checked = codec, checked
+        self.lax_frames = False  # the start check: lying frames decode without an error (``checked`` needed)
         self.frames = frames if frames is not None else NvcompFrames(self.device, getattr(self, "_stream", None))
         self._stored_row = codec.encoded_bound(largest_payload)
         self._stored = torch.empty(self._stored_row * self.step_blocks, dtype=torch.uint8, device=self.device)
@@ -186,43 +190,64 @@ class DevicePlanesZstd(DeviceCodec):
 
     def self_test(self) -> None:
         """The frame decoder's start check: one frame of known bytes decoded and compared, and
-        frames holding fewer or more bytes than their header declares refused (as the CPU decoder
-        refuses them).
-        A decoder with several ``modes`` keeps the first that passes; ``InputError`` (one line)
-        if none does."""
+        frames holding fewer or more bytes than their header declares either refused (as the CPU
+        decoder refuses them) or decoded without a byte written outside their plane, which the
+        engine accepts only where ``checked`` (the stored bytes' checksum or MAC is verified before
+        decoding: ``lax_frames`` says so). A decoder with several ``modes`` keeps the first that
+        passes; ``InputError`` (one line) if none does."""
         problems = []
         for mode in getattr(self.frames, "modes", (None,)):
             if mode is not None:
                 self.frames.mode = mode
             problem = self._unfit()
             if problem is None:
-                if mode is not None:
-                    log.info("pykv: planes-zstd frames decode on the GPU %s%s", mode,
-                             f" ({'; '.join(problems)})" if problems else "")
+                log.info("pykv: planes-zstd frames decode on the GPU%s%s%s", f" {mode}" if mode else "",
+                         "; it does not refuse a frame whose body holds another size than its header "
+                         "declares: the stored bytes' checksum guards loads" if self.lax_frames else "",
+                         f" ({'; '.join(problems)})" if problems else "")
                 return
             problems.append(problem if mode is None else f"{mode}: {problem}")
         raise InputError(f"codec_decode: the GPU zstd decoder failed its start check ({'; '.join(problems)})")
 
+    _GUARD = 1 << 16  # bytes checked on each side of a start-check plane
+
     def _unfit(self) -> str | None:
-        """Why the frame decoder cannot be trusted with hostile frames, or None."""
+        """Why the frame decoder cannot be trusted with hostile frames, or None (``lax_frames``:
+        whether it decoded a lying frame without an error, inside its plane)."""
         plane = (np.arange(1 << 16) % 251).astype(np.uint8)
         good = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.tobytes())
         lying = {how: lying_frame(plane.size, plane.size + change) for how, change in (("fewer", -4096),
                                                                                         ("more", 4096))}
+        guarded = torch.full((plane.size + 2 * self._GUARD,), 0xAB, dtype=torch.uint8, device=self.device)
+        out = guarded[self._GUARD:self._GUARD + plane.size]
         try:
-            out = torch.zeros(plane.size, dtype=torch.uint8, device=self.device)
             bad = self._decode_now(good, out)
             if bad or not np.array_equal(out.cpu().numpy(), plane):
                 return "wrong bytes"
         except Exception as exc:  # noqa: BLE001 - any failure of the decoder refuses it
             return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if self._overran(guarded):
+            return "a frame wrote outside its plane"
+        self.lax_frames = False
         for how, frame in lying.items():
+            guarded.fill_(0xAB)
+            out.zero_()
             try:
-                if not self._decode_now(frame, torch.zeros(plane.size, dtype=torch.uint8, device=self.device)):
-                    return f"a frame holding {how} bytes than it declares decoded without an error"
+                refused = self._decode_now(frame, out)
             except Exception:  # noqa: BLE001 - refused: what the start check wants
-                pass
+                refused = True
+            if self._overran(guarded):
+                return f"a frame holding {how} bytes than it declares wrote outside its plane"
+            if not refused:
+                if not self.checked:
+                    return (f"a frame holding {how} bytes than it declares decoded without an error, and "
+                            "verify=header leaves nothing to catch it (verify=full or auth_key_file)")
+                self.lax_frames = True
         return None
+
+    def _overran(self, guarded: torch.Tensor) -> bool:
+        outside = guarded.cpu().numpy()
+        return bool((outside[:self._GUARD] != 0xAB).any() or (outside[-self._GUARD:] != 0xAB).any())
 
     def _decode_now(self, frame: bytes, out: torch.Tensor) -> bool:
         source = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(self.device)
@@ -264,6 +289,7 @@ class DevicePlanesZstd(DeviceCodec):
                     frames.append((packed, length))
                     outputs.append((into, size // 2))
                     packed += length
+        self._planes[:count * raw].zero_()  # a frame nvCOMP leaves short shows zeros, never an earlier step's bytes
         kept = self.copier.copy_ranges(slots, (self._stored, self._planes), np.array(moves, dtype=np.int64),
                                        source_in_order=False)
         calling = time.perf_counter()
