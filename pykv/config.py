@@ -266,7 +266,8 @@ class PykvConfig:
                                      "half the host's cores, 2 to 8.", "int")
     codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads are decoded: cpu (the "
                              "codec threads), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
-                             "or auto (gpu where nvCOMP is installed and passes its start check, else cpu).", "str")
+                             "or auto (gpu where nvCOMP is installed and passes its start check, else cpu; nvCOMP 6.0 "
+                             "needs verify=full or auth_key_file there).", "str")
     gil_switch_ms: float | None = _key(_switch_ms, "keep", "The engine process's GIL switch interval in "
                                       "milliseconds (sys.setswitchinterval), set when the worker starts; keep: "
                                       "leave it (Python's default is 5). pykv's threads issue many short GIL-"
