@@ -540,3 +540,23 @@ def test_a_short_frame_never_shows_an_earlier_steps_bytes(monkeypatch):
         loaded.append(payload_of(tensors, [9, 10]))
         device.close()
     assert loaded[0] == loaded[1]
+
+
+@pytest.mark.parametrize("keys,checked", [({}, True), ({"verify": "header"}, False),
+                                          ({"verify": "header", "auth_key_file": "/k"}, True)])
+def test_device_codec_for_tells_the_decoder_whether_stored_bytes_are_checked(monkeypatch, keys, checked):
+    """``checked`` (what lets a lax nvCOMP be used) follows verify=full or a MAC key."""
+    import pykv.connector.device_zstd as device_zstd
+    made = []
+
+    class Recording:
+        def __init__(self, codec, copier, largest, *, checked):
+            made.append(checked)
+
+        def self_test(self):
+            pass
+
+    monkeypatch.setattr(device_zstd, "DevicePlanesZstd", Recording)
+    copier = types.SimpleNamespace(tensors=[types.SimpleNamespace(device=torch.device("cuda", 0))])
+    device_codec_for(codec_for("planes-zstd"), config(codec="planes-zstd", **keys), copier, [RAW])
+    assert made == [checked]
