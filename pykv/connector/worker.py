@@ -36,6 +36,7 @@ from pykv.counters import CounterFile, WorkerCounter
 from pykv.failures import BlockFailure, Step
 from pykv.format_codec import NONE
 from pykv.format import HEADER_SIZE
+from pykv.connector.amx import request_amx_permission
 from pykv.gil import apply_switch_interval
 from pykv.jobledger import JobEnd, Kind, Release
 from pykv.store import BlockRef, BlockStore, CopyDone, EngineShape, SlotCopy
@@ -80,6 +81,8 @@ class PykvWorker(OffloadingWorker):
         tensors = [t.tensor for t in kv_caches.tensors]
         transient, dram = slot_counts(pykv, config)
         cuda = tensors[0].is_cuda
+        if not cuda:
+            request_amx_permission()  # before vLLM's AMX attention kernel runs in this process
         self._lock = threading.Lock()
         self._jobs: dict[int, list[_Chunk]] = {}  # open jobs: their chunks, for the failed blocks at the end
         self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
