@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pykv.codec.lossless import PlanesZstdCodec
-from pykv.connector.device_zstd import lying_frame
+from pykv.connector.zstd_frames import lying_frame
 
 BLOCK = 28 * 65_536 * 16
 

@@ -25,7 +25,8 @@ import torch
 from pykv.codec.lossless import PlanesZstdCodec
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
 from pykv.connector.device_codec import CodedLoad
-from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames
+from pykv.connector.device_zstd import DevicePlanesZstd
+from pykv.connector.zstd_frames import HostFrames
 from pykv.connector.layout import BlockLayout, RefPage
 from pykv.staging import StagingPool
 

@@ -56,7 +56,7 @@ complete -c pykv -n '__fish_seen_subcommand_from bench' -l no-files -d 'Also mea
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l fio -d 'Run fio side by side when it is installed.'
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l no-fio -d 'Run fio side by side when it is installed.'
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l read-segment -r -d 'Reactor file loads split each block read into pieces of SIZE (the read_segment_bytes key); 0: one read.'
-complete -c pykv -n '__fish_seen_subcommand_from bench' -l codec -r -d 'Also measure codec NAME (none, planes-zstd, fp8; repeat or a comma list) on a KV-like bf16 block of --block-size: stored/raw ratio, encode and decode GB/s, and the KV GB/s a disk hit could reach.'
+complete -c pykv -n '__fish_seen_subcommand_from bench' -l codec -r -d 'Also measure codec NAME (none, planes-zstd, fp8, fp8-zstd; repeat or a comma list) on a KV-like bf16 block of --block-size: stored/raw ratio, encode and decode GB/s, and the KV GB/s a disk hit could reach.'
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l codec-threads -r -d 'Threads of the codec measurements (default: the codec_threads key\'s auto). [x>=1]'
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l json -d 'Print one JSON document instead of tables.'
 complete -c pykv -n '__fish_seen_subcommand_from bench' -l help -d 'Show this message and exit.'

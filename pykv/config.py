@@ -259,13 +259,14 @@ class PykvConfig:
                                       "int")
     codec: str = _key(_codec, "none", "How block payloads are stored: none (as they are), planes-zstd (lossless, "
                       "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, opt-in: "
-                      "0.51 of the bytes, coded on the GPU, bf16/fp16 KV only). Each codec is a namespace of its "
-                      "own. See docs/codecs.md.", "str")
+                      "0.51 of the bytes, coded on the GPU, bf16/fp16 KV only) or fp8-zstd (fp8's KV in about 0.42 of the "
+                      "bytes: fp8's bytes zstd-coded on the codec threads, decoded by nvCOMP on the GPU). Each codec "
+                      "is a namespace of its own. See docs/codecs.md.", "str")
     codec_threads: int | None = _key(_threads_or_auto, "auto", "Threads that encode stores and decode loads "
-                                     "with planes-zstd (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
+                                     "with planes-zstd, and code fp8-zstd's stores (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
                                      "half the host's cores, 2 to 8.", "int")
-    codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads are decoded: cpu (the "
-                             "codec threads), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
+    codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads (fp8-zstd's frames) are decoded: "
+                             "cpu (the codec threads; fp8-zstd: the host), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
                              "or auto (gpu where nvCOMP is installed and passes its start check, else cpu; nvCOMP 6.0 "
                              "needs verify=full or auth_key_file there).", "str")
     gil_switch_ms: float | None = _key(_switch_ms, "keep", "The engine process's GIL switch interval in "

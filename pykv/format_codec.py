@@ -85,13 +85,13 @@ def check_stored(path: object, params: str, stored: int, raw: int) -> None:
 @lru_cache(maxsize=16)
 def codec_from_params(params: str) -> Codec | None:
     """The codec whose ``params`` are exactly ``params``, if this pykv can build it (the
-    registry's ``planes-zstd``; ``fp8`` of any dtype and group it encodes, when torch is
+    registry's ``planes-zstd``; ``fp8`` and ``fp8-zstd`` of any dtype and group they encode, when torch is
     installed); else None."""
     from pykv.codec.registry import codec_for
     name, _, settings = params.partition(":")
     if name == "planes-zstd":
         codec = codec_for(name)
-    elif name == "fp8":
+    elif name in ("fp8", "fp8-zstd"):
         try:
             fields = dict(item.partition("=")[::2] for item in settings.split(","))
             codec = codec_for(name, dtype=fields["dtype"], group=int(fields["group"]))

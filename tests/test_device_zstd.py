@@ -29,7 +29,8 @@ from pykv.config import PykvConfig  # noqa: E402
 from pykv.connector.codecs import device_codec_for  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
 from pykv.connector.device_codec import CodedLoad, DeviceFp8  # noqa: E402
-from pykv.connector.device_zstd import DevicePlanesZstd, HostFrames, NvcompFrames, lying_frame  # noqa: E402
+from pykv.connector.device_zstd import DevicePlanesZstd  # noqa: E402
+from pykv.connector.zstd_frames import HostFrames, NvcompFrames, lying_frame  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.codec import codec_for  # noqa: E402
 from pykv.errors import InputError  # noqa: E402

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pykv.codec.base import Codec, UnknownCodecError
 from pykv.codec.identity import IdentityCodec
 
-CODEC_NAMES = ("none", "planes-zstd", "fp8")
+CODEC_NAMES = ("none", "planes-zstd", "fp8", "fp8-zstd")
 """Configuration names, in the order docs/codecs.md describes them."""
 
 
 def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, threads: int = 1) -> Codec:
     """The codec configured as ``name``. ``dtype`` (``bfloat16`` or ``float16``) and ``group``
-    are what the lossy ``fp8`` codec needs to know of the KV; ``threads`` only changes speed.
+    are what the lossy ``fp8`` codecs need to know of the KV; ``threads`` only changes speed.
     Raise ``UnknownCodecError`` (one line) for any other name, or a dtype fp8 does not encode."""
     if name == "none":
         return IdentityCodec()
@@ -24,4 +24,11 @@ def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, t
             return Fp8Codec(dtype, DEFAULT_GROUP if group is None else group)
         except ValueError as exc:
             raise UnknownCodecError(f"codec 'fp8': {exc}") from None
+    if name == "fp8-zstd":
+        from pykv.codec.fp8 import DEFAULT_GROUP
+        from pykv.codec.fp8_zstd import Fp8ZstdCodec
+        try:
+            return Fp8ZstdCodec(dtype, DEFAULT_GROUP if group is None else group, threads=threads)
+        except ValueError as exc:
+            raise UnknownCodecError(f"codec 'fp8-zstd': {exc}") from None
     raise UnknownCodecError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES)})")

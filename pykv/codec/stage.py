@@ -4,7 +4,8 @@ A store's payload is copied raw into its slot by the engine's copier, then encod
 (``encode``): when the stored bytes are smaller they replace the payload at the start of the
 slot, otherwise the block is stored raw (codec ``none``; a codec refusing a payload also
 stores it raw). The engine runs ``planes-zstd`` here (``fp8`` runs on the KV's device:
-``pykv.connector.device_codec``). A load's stored bytes are decoded here
+``pykv.connector.device_codec``); for ``fp8-zstd`` the device's fp8 bytes are coded here by
+the zstd layer (``recode``). A load's stored bytes are decoded here
 (``decode``) into a scratch buffer, which the copier copies to the engine and then hands back
 (``release``): a slot's bytes are never changed by a load, so a DRAM-tier slot serves the
 next hit as it is.
@@ -83,6 +84,36 @@ class CodecStage:
             log.debug("pykv: %s; the block is stored raw", exc)
         except Exception:  # a bug: the block is stored raw, never lost
             log.exception("pykv: encoding a block raised; it is stored raw")
+        finally:
+            self.release(buffer)
+        done(stored)
+
+    def recode(self, payload: memoryview, inner: int, done: Callable[[Stored], None]) -> None:
+        """Encode the first ``inner`` bytes of ``payload`` (a slot's payload bytes, writable; a
+        device step's stored bytes) on a codec thread, always: ``done(stored)`` there once the
+        slot starts with the ``stored`` bytes, or ``done(None)`` if they could not be (the block
+        is not stored: its slot holds neither raw KV nor this codec's bytes)."""
+        self._submit(lambda: self._recode(payload, inner, done))
+
+    def _recode(self, payload: memoryview, inner: int, done: Callable[[Stored], None]) -> None:
+        stored: Stored = None
+        buffer = self._take()
+        if buffer is None:  # closing
+            done(None)
+            return
+        try:
+            out = self.scratch.view(buffer)
+            if 0 <= inner <= len(payload) and self.codec.encoded_bound(inner) <= min(len(out), len(payload)):
+                length = self.codec.encode(payload[:inner], out)
+                payload[:length] = out[:length]
+                stored = length
+            else:
+                log.warning("pykv: %d stored bytes do not fit a slot once coded by %s; the block is not stored",
+                            inner, self.codec.name)
+        except CodecError as exc:
+            log.warning("pykv: %s; the block is not stored", exc)
+        except Exception:  # a bug: the block is not stored, nothing is lost
+            log.exception("pykv: coding a block's stored bytes raised; it is not stored")
         finally:
             self.release(buffer)
         done(stored)

@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from pykv.codec import Codec, codec_for
+from pykv.codec.stage import CodecStage
 from pykv.config import PREFIX, PykvConfig
 from pykv.errors import InputError
 
@@ -15,29 +16,33 @@ if TYPE_CHECKING:
     from pykv.connector.device_codec import DeviceCodec
 
 log = logging.getLogger(__name__)
+FP8_CODECS = ("fp8", "fp8-zstd")
 
 
 def engine_codec(pykv: PykvConfig, kv_dtype: object = "bfloat16") -> Codec:
     """The codec this engine stores with (one codec object per process; its threads only change
     speed). ``kv_dtype``: the KV cache's dtype as vLLM names it (``OffloadingConfig.model.dtype``);
     ``fp8`` encodes bfloat16 and float16 KV only (``InputError`` for any other)."""
-    if pykv.codec != "fp8":
+    if pykv.codec not in FP8_CODECS:
         return codec_for(pykv.codec)
     from pykv.codec.fp8 import kv_dtype_name
     dtype = kv_dtype_name(kv_dtype)
     if dtype is None:
-        raise InputError(f"{PREFIX}.codec: fp8 encodes bfloat16 or float16 KV; this engine's KV cache is "
-                         f"{kv_dtype} (see docs/codecs.md)")
-    return codec_for("fp8", dtype=dtype)
+        raise InputError(f"{PREFIX}.codec: {pykv.codec} encodes bfloat16 or float16 KV; this engine's KV cache "
+                         f"is {kv_dtype} (see docs/codecs.md)")
+    return codec_for(pykv.codec, dtype=dtype)
 
 
 def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec | None:
-    """The worker's device codec: ``fp8`` always; ``planes-zstd`` loads on the GPU as
+    """The worker's device codec: ``fp8`` and ``fp8-zstd`` always (``fp8-zstd``'s frames decoded by
+    nvCOMP as ``codec_decode`` says, else on the host); ``planes-zstd`` loads on the GPU as
     ``codec_decode`` says (``auto``: where nvCOMP loads and passes its start check, else the codec
     threads, said in one log line); None where the codec threads (or no codec) do the work."""
     if codec.name == "fp8":
         from pykv.connector.device_codec import DeviceFp8
         return DeviceFp8(codec, copier, payload_lengths)
+    if codec.name == "fp8-zstd":
+        return _fp8_zstd(codec, pykv, copier, payload_lengths)
     if codec.name != "planes-zstd" or pykv.codec_decode == "cpu":
         return None
     if copier.tensors[0].device.type != "cuda":
@@ -47,8 +52,7 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
     from pykv.connector.device_zstd import DevicePlanesZstd
     device = None
     try:
-        checked = pykv.verify == "full" or pykv.auth_key_file is not None  # the stored bytes checked first
-        device = DevicePlanesZstd(codec, copier, max(payload_lengths), checked=checked)
+        device = DevicePlanesZstd(codec, copier, max(payload_lengths), checked=_checked(pykv))
         device.self_test()
     except InputError as exc:
         if device is not None:
@@ -58,6 +62,46 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
         log.info("pykv: planes-zstd loads decode on the codec threads (%s)", exc)
         return None
     return device
+
+
+def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec:
+    """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP where ``codec_decode`` allows
+    and it passes the start check, else by zstandard on the host (``codec_decode=gpu``: nvCOMP or
+    ``InputError``)."""
+    from pykv.connector.device_fp8_zstd import DeviceFp8Zstd
+    from pykv.connector.zstd_frames import HostFrames
+    on_gpu = copier.tensors[0].device.type == "cuda"
+    if pykv.codec_decode == "gpu" and not on_gpu:
+        raise InputError(f"{PREFIX}.codec_decode: gpu, but this engine's KV cache is not on a GPU")
+    if on_gpu and pykv.codec_decode != "cpu":
+        device = None
+        try:
+            device = DeviceFp8Zstd(codec, copier, payload_lengths, checked=_checked(pykv))
+            device.self_test()
+            return device
+        except InputError as exc:
+            if device is not None:
+                device.close()
+            if pykv.codec_decode == "gpu":
+                raise
+            log.info("pykv: fp8-zstd frames decode on the host (%s)", exc)
+    return DeviceFp8Zstd(codec, copier, payload_lengths, HostFrames(codec.frames))
+
+
+def _checked(pykv: PykvConfig) -> bool:
+    """Whether a load's stored bytes are checked (checksum or MAC) before they are decoded."""
+    return pykv.verify == "full" or pykv.auth_key_file is not None
+
+
+def codec_stage_for(codec: Codec, device: DeviceCodec | None, pykv: PykvConfig, slot_bytes: int,
+                    register=None, unregister=None) -> CodecStage | None:
+    """The codec threads, for what the device codec does not do (``planes-zstd``: stores, and loads
+    unless on the GPU; ``fp8-zstd``: the zstd layer of stores); None where there is nothing."""
+    if codec.name == "none" or (device is not None and device.encodes and not device.host_layer):
+        return None
+    layer = device.layer if device is not None and device.host_layer else codec
+    return CodecStage(layer, slot_bytes, threads=pykv.codec_worker_threads(), register=register,
+                      unregister=unregister)
 
 
 def where_decoded(codec: Codec, device: DeviceCodec | None) -> str:

@@ -85,6 +85,7 @@ class DeviceCodec:
 
     name = "codec"
     encodes = True  # False: stores are encoded on the codec threads, only loads come here
+    host_layer = False  # True: the codec threads code a store's stored bytes once more (``CodecStage.recode``)
     step_bytes = STEP_BYTES
 
     def __init__(self, params: str, copier: TorchCopier, largest_payload: int, *, streams: bool | None = None,
@@ -310,11 +311,7 @@ class DeviceFp8(DeviceCodec):
 
     def __init__(self, codec: Fp8Codec, copier: TorchCopier, payload_lengths: Sequence[int], *,
                  streams: bool | None = None, step_blocks: int | None = None) -> None:
-        for length in payload_lengths:
-            if length % (2 * codec.group):
-                raise InputError(f"codec fp8: a storage block of {length} bytes is not whole groups of "
-                                 f"{codec.group} values; use codec none or planes-zstd for this model")
-        largest = max(payload_lengths, default=0)
+        largest = largest_fp8_payload(codec, payload_lengths)
         super().__init__(codec.params, copier, largest, streams=streams, step_blocks=step_blocks)
         self.codec = codec
         self._stored = torch.empty(codec.stored_length(largest) * self.step_blocks, dtype=torch.uint8,
@@ -329,14 +326,7 @@ class DeviceFp8(DeviceCodec):
         return refused
 
     def _encode(self, task: CopyTask) -> Issued:
-        raw = self.payload[:task.payload.numel()]
-        keep = self.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=True)
-        codes, scales, bad = quantize(raw.view(self.codec.torch_dtype), self.codec.group)
-        head = scales.numel()  # one byte each
-        slot = task.payload.view(torch.uint8)
-        slot[:head].copy_(scales, non_blocking=self.cuda)
-        slot[head:head + codes.numel()].copy_(codes, non_blocking=self.cuda)
-        return bad, head + codes.numel(), (keep, codes, scales)
+        return encode_fp8(self, self.codec, task)
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
         """The loads' stored bytes into rows of the stored scratch (one copy call), one dequantize
@@ -349,3 +339,26 @@ class DeviceFp8(DeviceCodec):
         stored = self._stored[:count * length].view(count, length)
         bad = decode_rows(stored, self.payload[:count * raw].view(torch.uint8).view(count, raw), self.codec)
         return bad, (self._into_kv_rows(loads), kept)
+
+
+def largest_fp8_payload(codec: Fp8Codec, payload_lengths: Sequence[int]) -> int:
+    """The largest of the engine's raw payloads; ``InputError`` (one line) unless each is whole
+    groups of ``codec``."""
+    for length in payload_lengths:
+        if length % (2 * codec.group):
+            raise InputError(f"codec fp8: a storage block of {length} bytes is not whole groups of "
+                             f"{codec.group} values; use codec none or planes-zstd for this model")
+    return max(payload_lengths, default=0)
+
+
+def encode_fp8(device: DeviceCodec, codec: Fp8Codec, task: CopyTask) -> Issued:
+    """A store's KV gathered into ``device``'s payload scratch, quantized there, and its scales and
+    codes (``codec``'s stored bytes) copied to the start of the slot (``task.payload``)."""
+    raw = device.payload[:task.payload.numel()]
+    keep = device.copier.copy_device_payload(CopyTask(raw, task.group, task.gpu_ids, task.skip), to_slot=True)
+    codes, scales, bad = quantize(raw.view(codec.torch_dtype), codec.group)
+    head = scales.numel()  # one byte each
+    slot = task.payload.view(torch.uint8)
+    slot[:head].copy_(scales, non_blocking=device.cuda)
+    slot[head:head + codes.numel()].copy_(codes, non_blocking=device.cuda)
+    return bad, head + codes.numel(), (keep, codes, scales)

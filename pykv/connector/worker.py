@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pykv.codec.stage import CodecStage
 from pykv.counters import CounterFile, WorkerCounter
 from pykv.failures import BlockFailure, Step
 from pykv.format_codec import NONE
@@ -45,7 +44,7 @@ from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
-from pykv.connector.codecs import device_codec_for, engine_codec, where_decoded
+from pykv.connector.codecs import codec_stage_for, device_codec_for, engine_codec, where_decoded
 from pykv.connector.device_codec import CodedLoad
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
@@ -106,10 +105,7 @@ class PykvWorker(OffloadingWorker):
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
         self.device_codec = device_codec_for(codec, pykv, self.copier, [
             self.layout.geometry(g).payload_length for g in range(len(self.layout.groups))])
-        # the codec threads encode what the device codec does not (planes-zstd; its loads too unless on the GPU)
-        on_threads = codec.name != NONE and (self.device_codec is None or not self.device_codec.encodes)
-        self.codec_stage = CodecStage(codec, shape.slot_bytes, threads=pykv.codec_worker_threads(), register=register,
-                                      unregister=unregister) if on_threads else None
+        self.codec_stage = codec_stage_for(codec, self.device_codec, pykv, shape.slot_bytes, register, unregister)
         self._scratch_tensors = [] if self.codec_stage is None else [
             torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s%s",
@@ -293,10 +289,12 @@ class PykvWorker(OffloadingWorker):
 
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
         """The KV into the slots, then (with a codec) each payload encoded in its slot; fp8 encodes
-        on the device and copies only the stored bytes."""
+        on the device and copies only the stored bytes (fp8-zstd: then coded on the codec threads)."""
         stage = self.codec_stage
         if self.device_codec is not None and self.device_codec.encodes:
-            self.device_codec.store(self._tasks(copies), lambda task, ok, stored: done(task.token, ok, stored=stored))
+            layered = self.device_codec.host_layer
+            self.device_codec.store(self._tasks(copies), lambda task, ok, stored: self._recode(
+                task.token, ok, stored, done) if layered else done(task.token, ok, stored=stored))
             return
         if stage is None:
             self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
@@ -311,6 +309,14 @@ class PykvWorker(OffloadingWorker):
             stage.encode(payload, lambda stored: done(copy, True, stored=stored))
 
         self.copier.to_slots(self._tasks(copies), copied)
+
+    def _recode(self, copy: SlotCopy, ok: bool, stored: int | None, done: CopyDone) -> None:
+        """A device step's stored bytes coded once more by the codec threads (``fp8-zstd``)."""
+        payload = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
+        if ok and stored is not None:
+            self.codec_stage.recode(payload, stored, lambda coded: done(copy, coded is not None, stored=coded))
+        else:
+            done(copy, False)
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
         """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own
