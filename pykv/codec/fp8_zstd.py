@@ -21,6 +21,10 @@ from pykv.codec.fp8 import DEFAULT_GROUP, Fp8Codec
 from pykv.codec.lossless import PlanesZstdCodec
 
 FORMAT_REVISION = 1
+CHUNK = 1 << 18
+"""Bytes of fp8 per zstd frame: the ratio is the same from 64 KiB to 1 MiB (0.413 on dummy KV), and
+nvCOMP decodes a step's frames in parallel, one frame per worker, so more frames keep more of the
+GPU busy (a 3B storage block of 256 tokens: ~57 frames)."""
 
 
 class Fp8ZstdCodec(Codec):
@@ -29,7 +33,7 @@ class Fp8ZstdCodec(Codec):
     name = "fp8-zstd"
 
     def __init__(self, dtype: str = "bfloat16", group: int = DEFAULT_GROUP, *, level: int = 1,
-                 chunk: int = 1 << 20, threads: int = 1) -> None:
+                 chunk: int = CHUNK, threads: int = 1) -> None:
         self.fp8 = Fp8Codec(dtype, group)
         self.frames = PlanesZstdCodec(elem=1, level=level, chunk=chunk, threads=threads)
         self.dtype, self.group = dtype, group
