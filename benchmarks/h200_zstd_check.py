@@ -1,4 +1,4 @@
-"""Check and time ``planes-zstd`` loads decoded on the GPU (``DevicePlanesZstd``) outside vLLM, H200 host.
+"""Check and time ``planes-zstd`` (or ``fp8-zstd``) loads decoded on the GPU outside vLLM, H200 host.
 
 The shape of ``h200_fp8_check.py`` (Llama-3.2-3B as vLLM 0.26 lays it out: 28 KV tensors of
 64 KiB pages, 16 GPU blocks per storage block, 29.4 MB of payload). bf16 KV like a dummy-weight
@@ -6,7 +6,8 @@ engine's (small values, few binades) in ``--chunks`` storage blocks, encoded by 
 into page-locked slots, then loaded into other GPU blocks (consecutive, then scattered) with each
 frame decoder mode (``NvcompFrames.modes``, forced here; the engine keeps the first that passes
 its start check, which is printed too). Checks: the loaded blocks equal their source blocks byte
-for byte. Prints load GB/s of KV and the device codec's counters per mode, one JSON line per
+for byte (``--codec fp8-zstd``: ``DeviceFp8Zstd``; the loaded blocks equal the CPU codec's round
+trip of their source blocks byte for byte). Prints load GB/s of KV and the device codec's counters per mode, one JSON line per
 run to ``--out``. Needs nVCOMP importable (``h200_run.sh setup`` installs it into its deps).
 
     python3 benchmarks/h200_zstd_check.py --out $OUT/zstd_check.jsonl
@@ -22,9 +23,11 @@ import time
 import numpy as np
 import torch
 
+from pykv.codec.fp8_zstd import Fp8ZstdCodec
 from pykv.codec.lossless import PlanesZstdCodec
 from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
 from pykv.connector.device_codec import CodedLoad
+from pykv.connector.device_fp8_zstd import DeviceFp8Zstd
 from pykv.connector.device_zstd import DevicePlanesZstd
 from pykv.connector.zstd_frames import HostFrames
 from pykv.connector.layout import BlockLayout, RefPage
@@ -62,11 +65,23 @@ def timed_loads(device_codec: DevicePlanesZstd, loads: list[CodedLoad]) -> tuple
     return time.perf_counter() - began, ended
 
 
+def wrong_payloads(tensors, layout, target_ids, expected: list[bytes], raw: int) -> int:
+    """How many loaded blocks differ from the CPU codec's round trip of their source."""
+    host = TorchCopier([t.cpu() for t in tensors], layout)
+    wrong = 0
+    for ids, want in zip(target_ids, expected):
+        got = torch.zeros(raw, dtype=torch.int8)
+        host.to_slots([CopyTask(got, 0, ids, 0)], lambda t, ok: None)
+        wrong += got.numpy().tobytes() != want
+    return wrong
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=32, help="storage blocks (29.4 MB of KV each)")
     parser.add_argument("--threads", type=int, default=8, help="CPU encoder threads")
     parser.add_argument("--step-blocks", default="0", help="comma list of step_blocks (0: the codec's own)")
+    parser.add_argument("--codec", default="planes-zstd", choices=("planes-zstd", "fp8-zstd"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke test of this script (zstandard on the host)")
     args = parser.parse_args()
@@ -75,7 +90,8 @@ def main() -> None:
     tensors = kv_tensors(2 * chunks * BPC, device)
     layout = BlockLayout(BPC, 256, (tuple(RefPage(i, LAYER_PAGE) for i in range(LAYERS)),))
     raw = LAYERS * LAYER_PAGE * BPC
-    codec = PlanesZstdCodec(threads=args.threads)
+    lossy = args.codec == "fp8-zstd"
+    codec = Fp8ZstdCodec(threads=args.threads) if lossy else PlanesZstdCodec(threads=args.threads)
     pool = StagingPool(-(-codec.encoded_bound(raw) // 4096) * 4096, chunks, register=None if args.cpu else cuda_host_register,
                        unregister=None if args.cpu else cuda_host_unregister)
     slots = [torch.frombuffer(pool.view(s), dtype=torch.int8) for s in range(chunks)]
@@ -89,14 +105,17 @@ def main() -> None:
         began = time.perf_counter()
         lengths.append(codec.encode(payload.numpy(), slots[c].numpy()))
         encode_s += time.perf_counter() - began
+    expected = [codec.decode_bytes(slots[c].numpy()[:lengths[c]], raw) for c in range(chunks)] if lossy else None
     codec.close()
-    base = {"kind": "zstd_check", "chunks": chunks, "payload_bytes": raw, "ratio": round(sum(lengths) / (chunks * raw), 4),
+    base = {"kind": "zstd_check", "codec": args.codec, "chunks": chunks, "payload_bytes": raw, "ratio": round(sum(lengths) / (chunks * raw), 4),
             "encode_gbps_cpu": round(chunks * raw / encode_s / 1e9, 2), "encode_threads": args.threads}
     print(json.dumps(base))
     copier = TorchCopier(tensors, layout) if args.cpu else CudaCopier(tensors, layout)
     for step in (int(x) for x in args.step_blocks.split(",")):
-        frames = HostFrames(PlanesZstdCodec()) if args.cpu else None
-        zstd = DevicePlanesZstd(PlanesZstdCodec(), copier, raw, frames, step_blocks=step or None)
+        layer = codec.frames if lossy else codec
+        frames = HostFrames(layer) if args.cpu else None
+        zstd = (DeviceFp8Zstd(codec, copier, [raw], frames, step_blocks=step or None) if lossy else
+                DevicePlanesZstd(codec, copier, raw, frames, step_blocks=step or None))
         try:
             zstd.self_test()
             chosen = getattr(zstd.frames, "mode", "host")
@@ -121,7 +140,8 @@ def main() -> None:
                     seconds, ended = timed_loads(zstd, loads)
                     sync()
                     failed = [str(f) for _, ok, f in ended if not ok]
-                    wrong = sum(not torch.equal(t[target_ids[c]], t[source_ids[c]]) for c in range(chunks) for t in tensors)
+                    wrong = (wrong_payloads(tensors, layout, target_ids, expected, raw) if lossy else
+                             sum(not torch.equal(t[target_ids[c]], t[source_ids[c]]) for c in range(chunks) for t in tensors))
                     record.update(load_s=round(seconds, 4), load_gbps=round(chunks * raw / seconds / 1e9, 2),
                                   failed=failed[:3], wrong_pages=int(wrong),
                                   stats={k: v - before.get(k, 0) for k, v in zstd.stats.items()})
