@@ -4,7 +4,7 @@ so both name the same namespace (``layout.namespace_for``)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pykv.codec import Codec, codec_for
 from pykv.codec.stage import CodecStage
@@ -43,49 +43,46 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
         return DeviceFp8(codec, copier, payload_lengths)
     if codec.name == "fp8-zstd":
         return _fp8_zstd(codec, pykv, copier, payload_lengths)
-    if codec.name != "planes-zstd" or pykv.codec_decode == "cpu":
+    if codec.name != "planes-zstd":
+        return None
+    from pykv.connector.device_zstd import DevicePlanesZstd
+    return _on_gpu(lambda checked: DevicePlanesZstd(codec, copier, max(payload_lengths), checked=checked), pykv,
+                   copier, "planes-zstd loads decode on the codec threads")
+
+
+def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec:
+    """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP as ``_on_gpu`` allows, else by
+    zstandard on the host."""
+    from pykv.connector.device_fp8_zstd import DeviceFp8Zstd
+    from pykv.connector.zstd_frames import HostFrames
+    return (_on_gpu(lambda checked: DeviceFp8Zstd(codec, copier, payload_lengths, checked=checked), pykv, copier,
+                    "fp8-zstd frames decode on the host")
+            or DeviceFp8Zstd(codec, copier, payload_lengths, HostFrames(codec.frames)))
+
+
+def _on_gpu(build: Callable[[bool], DeviceCodec], pykv: PykvConfig, copier: TorchCopier,
+            fallback: str) -> DeviceCodec | None:
+    """``build(checked)``, an nvCOMP decoder, once it passes its start check, where ``codec_decode``
+    allows (``auto``, ``gpu``) and the KV is on a GPU; else None (``auto``: ``fallback`` said in one
+    log line). ``codec_decode=gpu`` that cannot be kept is an ``InputError``."""
+    if pykv.codec_decode == "cpu":
         return None
     if copier.tensors[0].device.type != "cuda":
         if pykv.codec_decode == "gpu":
             raise InputError(f"{PREFIX}.codec_decode: gpu, but this engine's KV cache is not on a GPU")
         return None
-    from pykv.connector.device_zstd import DevicePlanesZstd
     device = None
     try:
-        device = DevicePlanesZstd(codec, copier, max(payload_lengths), checked=_checked(pykv))
+        device = build(_checked(pykv))
         device.self_test()
+        return device
     except InputError as exc:
         if device is not None:
             device.close()
         if pykv.codec_decode == "gpu":
             raise
-        log.info("pykv: planes-zstd loads decode on the codec threads (%s)", exc)
+        log.info("pykv: %s (%s)", fallback, exc)
         return None
-    return device
-
-
-def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec:
-    """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP where ``codec_decode`` allows
-    and it passes the start check, else by zstandard on the host (``codec_decode=gpu``: nvCOMP or
-    ``InputError``)."""
-    from pykv.connector.device_fp8_zstd import DeviceFp8Zstd
-    from pykv.connector.zstd_frames import HostFrames
-    on_gpu = copier.tensors[0].device.type == "cuda"
-    if pykv.codec_decode == "gpu" and not on_gpu:
-        raise InputError(f"{PREFIX}.codec_decode: gpu, but this engine's KV cache is not on a GPU")
-    if on_gpu and pykv.codec_decode != "cpu":
-        device = None
-        try:
-            device = DeviceFp8Zstd(codec, copier, payload_lengths, checked=_checked(pykv))
-            device.self_test()
-            return device
-        except InputError as exc:
-            if device is not None:
-                device.close()
-            if pykv.codec_decode == "gpu":
-                raise
-            log.info("pykv: fp8-zstd frames decode on the host (%s)", exc)
-    return DeviceFp8Zstd(codec, copier, payload_lengths, HostFrames(codec.frames))
 
 
 def _checked(pykv: PykvConfig) -> bool:
