@@ -242,6 +242,19 @@ def test_without_nvcomp_the_gpu_decoder_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
+def test_a_decoder_refused_at_construction_leaves_no_threads(tensors, monkeypatch):
+    import sys
+    import threading
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", None)
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(InputError, match="nvidia-nvcomp"):
+        DevicePlanesZstd(CODEC, TorchCopier(tensors, LAYOUT), RAW)  # no frame decoder given: nvCOMP's
+    left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("pykv-")]
+    for thread in left:
+        thread.join(5)
+    assert not [t for t in left if t.is_alive()]
+
+
 def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, interface: bool = True):
     """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
     ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``).

@@ -57,10 +57,14 @@ class DeviceZstdFrames(DeviceCodec):
         super().__init__(params, copier, largest_payload, streams=streams, step_blocks=step_blocks)
         self.layer, self.checked = layer, checked
         self.lax_frames = False  # the start check: lying frames decode without an error (``checked`` needed)
-        self.frames = frames if frames is not None else NvcompFrames(self.device, getattr(self, "_stream", None))
-        self._stored_row = layer.encoded_bound(largest_row)
-        self._stored = torch.empty(self._stored_row * self.step_blocks, dtype=torch.uint8, device=self.device)
-        self._rows = torch.empty(largest_row * self.step_blocks, dtype=torch.uint8, device=self.device)
+        try:
+            self.frames = frames if frames is not None else NvcompFrames(self.device, getattr(self, "_stream", None))
+            self._stored_row = layer.encoded_bound(largest_row)
+            self._stored = torch.empty(self._stored_row * self.step_blocks, dtype=torch.uint8, device=self.device)
+            self._rows = torch.empty(largest_row * self.step_blocks, dtype=torch.uint8, device=self.device)
+        except BaseException:
+            self.close()  # the base's threads stop with the half-built decoder (no idle threads left behind)
+            raise
 
     def _row_length(self, raw: int) -> int:
         """The bytes the zstd layer decodes to for a raw payload of ``raw`` bytes."""
