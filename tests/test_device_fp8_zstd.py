@@ -26,7 +26,7 @@ from pykv.codec.stage import CodecStage  # noqa: E402
 from pykv.connector.codecs import device_codec_for  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
 from pykv.connector.device_codec import CodedLoad  # noqa: E402
-from pykv.connector.device_fp8_zstd import DeviceFp8Zstd  # noqa: E402
+from pykv.connector.device_fp8_zstd import DeviceFp8HostZstd, DeviceFp8Zstd  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.connector.zstd_frames import HostFrames, NvcompFrames, lying_frame  # noqa: E402
 from pykv.errors import InputError  # noqa: E402
@@ -213,12 +213,13 @@ def test_loads_through_nvcomp_are_fp8s_round_trip_in_every_mode(tensors, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
 
 
-def test_device_codec_for_decodes_fp8_zstd_frames_on_the_host_without_a_gpu(tensors):
+def test_device_codec_for_decodes_fp8_zstd_frames_on_the_codec_threads_without_a_gpu(tensors):
     copier = TorchCopier(tensors, LAYOUT)
     codec = Fp8ZstdCodec()
     for keys in ({}, {"codec_decode": "cpu"}):
         dev = device_codec_for(codec, config(codec="fp8-zstd", **keys), copier, [RAW])
-        assert isinstance(dev, DeviceFp8Zstd) and isinstance(dev.frames, HostFrames) and dev.host_layer
+        assert isinstance(dev, DeviceFp8HostZstd) and dev.host_layer and dev.host_frames
+        assert dev.params == codec.params and dev.layer.params == codec.frames.params
         dev.close()
     with pytest.raises(InputError, match="codec_decode: gpu") as refused:
         device_codec_for(codec, config(codec="fp8-zstd", codec_decode="gpu"), copier, [RAW])
@@ -228,3 +229,93 @@ def test_device_codec_for_decodes_fp8_zstd_frames_on_the_host_without_a_gpu(tens
 def test_a_layout_that_is_not_whole_groups_is_refused_at_start(tensors):
     with pytest.raises(InputError, match="whole groups"):
         DeviceFp8Zstd(CODEC, TorchCopier(tensors, LAYOUT), [RAW - 64], HostFrames(CODEC.frames))
+
+
+# -- without nvCOMP: the codec threads decode the zstd layer, fp8's device step the rest ----------
+def host_zstd(tensors) -> DeviceFp8HostZstd:
+    return DeviceFp8HostZstd(CODEC, TorchCopier(tensors, LAYOUT), [RAW])
+
+
+def layered_load(dev, stage, stored: bytes, ids, raw=RAW, params=CODEC.params):
+    """The worker's steps for a ``host_frames`` decoder: the layer on a codec thread into a scratch
+    buffer, then those fp8 bytes through the device decoder; (ok, failure, the slot's bytes after)."""
+    slot = bytearray(stored)
+    inner = dev.unlayered(params, raw)
+    if inner is None:
+        return False, "refused", bytes(slot)
+    got, done = [], threading.Event()
+    stage.decode(memoryview(slot), inner, stage.params, lambda buffer, failure: (got.append((buffer, failure)),
+                                                                                  done.set()))
+    assert done.wait(10)
+    [(buffer, failure)] = got
+    if buffer is None:
+        return False, failure, bytes(slot)
+    scratch = torch.frombuffer(stage.view(buffer), dtype=torch.int8)[:inner]
+    ends = Ends()
+    dev.load([CodedLoad(CopyTask(scratch, 0, np.asarray(ids), 0), raw, params)], ends)
+    [(_, ok, failure)] = ends.wait(1)
+    stage.release(buffer)
+    return ok, failure, bytes(slot)
+
+
+@pytest.fixture
+def layered(tensors):
+    dev, stage = host_zstd(tensors), CodecStage(CODEC.frames, RAW, threads=2)
+    yield dev, stage
+    dev.close()
+    stage.close()
+
+
+def test_host_layer_loads_are_fp8s_round_trip_and_keep_the_slot(tensors, layered):
+    dev, stage = layered
+    stored = CODEC.encode(payload_of(kv_tensors(1), [2, 3]))
+    expected = round_trip_into(tensors, stored, [7, 12])
+    before = [t.clone() for t in tensors]
+    ok, failure, slot = layered_load(dev, stage, stored, [7, 12])
+    assert ok and failure is None and slot == stored  # a DRAM-tier slot serves the next hit as it is
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    assert [i for i in range(NUM_BLOCKS) if not torch.equal(tensors[0][i], before[0][i])] == [7, 12]
+
+
+def test_host_layer_stores_are_the_cpu_codecs_bytes(tensors, layered):
+    dev, stage = layered
+    slot = torch.zeros(RAW, dtype=torch.int8)
+    ends = Ends()
+    dev.store([CopyTask(slot, 0, np.asarray([5, 9]), 0)], ends)
+    [(_, ok, inner)] = ends.wait(1)
+    coded, done = [], threading.Event()
+    stage.recode(memoryview(slot.numpy()).cast("B"), inner, lambda stored: (coded.append(stored), done.set()))
+    assert ok and done.wait(10)
+    expected = CODEC.encode(payload_of(tensors, [5, 9]))
+    assert coded == [len(expected)] and slot.numpy().tobytes()[:len(expected)] == expected
+
+
+@pytest.mark.parametrize("raw, params", [(RAW, FP8.params), (RAW, "planes-zstd:v1"), (RAW + 128, CODEC.params),
+                                         (RAW - 2, CODEC.params), (0, CODEC.params), (-RAW, CODEC.params)])
+def test_host_layer_refuses_blocks_of_other_codecs_or_lengths(tensors, layered, raw, params):
+    dev, _ = layered
+    assert dev.unlayered(params, raw) is None
+
+
+@pytest.mark.parametrize("case", ["table-zero", "trailing-byte", "frame-corrupt", "frame-short-content",
+                                  "bad-scale", "fp8-params", "raw-not-groups", "raw-too-large", "empty"])
+def test_host_layer_hostile_blocks_fail_and_touch_no_kv(tensors, layered, case):
+    dev, stage = layered
+    stored, raw, params = hostile(case, CODEC.encode(payload_of(kv_tensors(3), [0, 1])))
+    if case == "empty":
+        stored = b""
+    before = [t.clone() for t in tensors]
+    ok, failure, slot = layered_load(dev, stage, stored, [3, 4], raw=raw, params=params)
+    assert not ok and slot == stored
+    assert failure == "refused" or (failure.step is Step.CHECK and "\n" not in failure.detail), failure
+    if case != "bad-scale":  # found on the device after dequantizing: the engine recomputes those rows
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+def test_host_layer_scratch_of_the_wrong_length_is_refused_on_the_device(tensors, layered):
+    dev, _ = layered
+    short = torch.zeros(CODEC.inner_length(RAW) - 1, dtype=torch.int8)
+    ends = Ends()
+    dev.load([CodedLoad(CopyTask(short, 0, np.asarray([1]), 0), RAW, CODEC.params)], ends)
+    [(_, ok, failure)] = ends.wait(1)
+    assert not ok and failure.step is Step.CHECK

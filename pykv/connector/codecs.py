@@ -52,12 +52,11 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
 
 def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec:
     """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP as ``_on_gpu`` allows, else by
-    zstandard on the host."""
-    from pykv.connector.device_fp8_zstd import DeviceFp8Zstd
-    from pykv.connector.zstd_frames import HostFrames
+    the codec threads."""
+    from pykv.connector.device_fp8_zstd import DeviceFp8HostZstd, DeviceFp8Zstd
     return (_on_gpu(lambda checked: DeviceFp8Zstd(codec, copier, payload_lengths, checked=checked), pykv, copier,
-                    "fp8-zstd frames decode on the host")
-            or DeviceFp8Zstd(codec, copier, payload_lengths, HostFrames(codec.frames)))
+                    "fp8-zstd frames decode on the codec threads")
+            or DeviceFp8HostZstd(codec, copier, payload_lengths))
 
 
 def _on_gpu(build: Callable[[bool], DeviceCodec], pykv: PykvConfig, copier: TorchCopier,

@@ -86,6 +86,7 @@ class DeviceCodec:
     name = "codec"
     encodes = True  # False: stores are encoded on the codec threads, only loads come here
     host_layer = False  # True: the codec threads code a store's stored bytes once more (``CodecStage.recode``)
+    host_frames = False  # True: loads arrive with that layer decoded by the codec threads (``unlayered``)
     step_bytes = STEP_BYTES
 
     def __init__(self, params: str, copier: TorchCopier, largest_payload: int, *, streams: bool | None = None,

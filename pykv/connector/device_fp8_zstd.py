@@ -5,8 +5,9 @@ the slot); the worker then has the codec threads code those bytes with the zstd 
 (``CodecStage.recode``). A load copies the stored bytes to the device, decodes every zstd frame
 of its step in one call of the frame decoder into rows of fp8 bytes (``DeviceZstdFrames``), then
 dequantizes all rows at once and scatters the payloads' pages into the KV blocks. Where nvCOMP is
-missing or fails its start check, ``HostFrames`` decodes the frames on the host
-(``connector.codecs.device_codec_for``).
+missing, fails its start check or ``codec_decode`` is ``cpu``, ``DeviceFp8HostZstd`` takes its
+place: the codec threads decode the zstd layer of each load (in parallel, beside the reads) into
+a scratch buffer, and ``fp8``'s device step loads those bytes (``connector.codecs.device_codec_for``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pykv.codec.fp8 import decode_rows
 from pykv.codec.fp8_zstd import Fp8ZstdCodec
 
 from pykv.connector.copier import CopyTask, TorchCopier
-from pykv.connector.device_codec import STEP_BYTES, CodedLoad, Issued, encode_fp8, largest_fp8_payload
+from pykv.connector.device_codec import (STEP_BYTES, CodedLoad, DeviceFp8, Issued, encode_fp8,
+                                         largest_fp8_payload)
 from pykv.connector.device_zstd import DeviceZstdFrames
 from pykv.connector.zstd_frames import FrameDecoder
 
@@ -53,3 +55,25 @@ class DeviceFp8Zstd(DeviceZstdFrames):
 
     def _from_rows(self, rows: torch.Tensor, payloads: torch.Tensor) -> torch.Tensor:
         return decode_rows(rows, payloads, self.codec.fp8)
+
+
+class DeviceFp8HostZstd(DeviceFp8):
+    """``fp8-zstd`` with its zstd layer on the codec threads both ways: stores are ``fp8``'s device
+    step, then ``CodecStage.recode``; loads (``host_frames``) reach this decoder as the fp8 bytes
+    the codec threads decoded from the stored bytes (``unlayered`` says how many)."""
+
+    name = "fp8-zstd"
+    host_layer = True
+    host_frames = True
+
+    def __init__(self, codec: Fp8ZstdCodec, copier: TorchCopier, payload_lengths: Sequence[int], *,
+                 streams: bool | None = None, step_blocks: int | None = None) -> None:
+        super().__init__(codec.fp8, copier, payload_lengths, streams=streams, step_blocks=step_blocks)
+        self.params, self.layer, self.layered = codec.params, codec.frames, codec
+
+    def unlayered(self, params: str, raw_length: int) -> int | None:
+        """The fp8 bytes under the zstd layer of a block of codec ``params`` and ``raw_length`` raw
+        bytes (from the trusted header's length), or None where this engine refuses the block."""
+        if params != self.params or not 0 < raw_length <= self.largest or raw_length % (2 * self.codec.group):
+            return None
+        return self.layered.inner_length(raw_length)

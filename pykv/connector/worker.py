@@ -325,34 +325,43 @@ class PykvWorker(OffloadingWorker):
         if raw:
             self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
         coded = [c for c in copies if c.codec != NONE]
-        if coded and self.device_codec is not None:
+        device = self.device_codec
+        if coded and device is not None and not device.host_frames:
             loads = [CodedLoad(task, task.token.decoded_length or 0, task.token.codec) for task in self._tasks(coded)]
-            self.device_codec.load(loads, lambda task, ok, failure: done(task.token, ok, failure=failure))
+            device.load(loads, lambda task, ok, failure: done(task.token, ok, failure=failure))
             return
+        stage = self.codec_stage
         for copy in coded:
-            if self.codec_stage is None:  # a coded block in a namespace of codec none: not one of ours
-                done(copy, False, failure=BlockFailure(Step.CHECK, detail="a coded block in a namespace of none"))
+            length, params = copy.decoded_length or 0, copy.codec
+            if device is not None and stage is not None:  # fp8-zstd: its zstd layer here, its fp8 on the device
+                length, params = device.unlayered(copy.codec, length), stage.params
+            if stage is None or length is None:  # not one of ours
+                done(copy, False, failure=BlockFailure(Step.CHECK, detail=f"a block of codec {copy.codec[:80]!r} "
+                                                       f"and {copy.decoded_length} raw bytes, not this engine's"))
                 continue
             stored = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
-            self.codec_stage.decode(stored, copy.decoded_length or 0, copy.codec,
-                                    lambda buffer, failure, copy=copy: self._copy_decoded(copy, buffer, failure, done))
+            stage.decode(stored, length, params, lambda buffer, failure, copy=copy, length=length:
+                         self._copy_decoded(copy, buffer, length, failure, done))
 
-    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, failure: BlockFailure | None,
+    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, length: int, failure: BlockFailure | None,
                       done: CopyDone) -> None:
-        """(Codec thread.) A decoded block from its scratch buffer to the engine, then the buffer is free."""
+        """(Codec thread.) A decoded block from its scratch buffer to the engine (through the device
+        codec where it has a host layer), then the buffer is free."""
         if buffer is None:
             done(copy, False, failure=failure)
             return
-        stage = self.codec_stage
-        target = copy.target
-        task = CopyTask(self._scratch_tensors[buffer][:copy.decoded_length], target.group, target.gpu_ids,
+        stage, target = self.codec_stage, copy.target
+        task = CopyTask(self._scratch_tensors[buffer][:length], target.group, target.gpu_ids,
                         target.skip, token=copy, after=target.ready)
 
-        def copied(_task: CopyTask, ok: bool) -> None:
+        def copied(_task: CopyTask, ok: bool, failure: BlockFailure | None = None) -> None:
             stage.release(buffer)
-            done(copy, ok)
+            done(copy, ok, failure=failure)
 
-        self.copier.from_slots([task], copied)
+        if self.device_codec is not None:
+            self.device_codec.load([CodedLoad(task, copy.decoded_length or 0, copy.codec)], copied)
+        else:
+            self.copier.from_slots([task], copied)
 
     def store_released(self, release: Release) -> None:
         """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release); or one
