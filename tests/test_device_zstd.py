@@ -255,7 +255,8 @@ def test_a_decoder_refused_at_construction_leaves_no_threads(tensors, monkeypatc
     assert not [t for t in left if t.is_alive()]
 
 
-def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, interface: bool = True):
+def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, interface: bool = True,
+                 overrun: bool = False):
     """nvCOMP 6.0's Python surface as the H200 showed it (run 20): ``Codec.decode`` takes one
     ``Array`` or a batch from ``as_arrays``, and refuses a plain list of arrays (``TypeError``).
     ``as_arrays`` takes torch tensors and, with ``interface``, objects with a CUDA Array Interface
@@ -266,7 +267,8 @@ def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, 
     ``lenient`` ("into", "both", "sized"): a frame holding fewer bytes than it declares decodes
     without an error there (its tail left as it was, or zeros in an array of the declared size;
     "sized": only with a config, as a decoder that never reads its status back would): what the
-    start check must catch."""
+    start check must catch. ``overrun``: a lying frame writes 4 KiB past its output (as nvCOMP 6.0
+    did on the H100 for a frame holding more bytes than it declares, run 23)."""
 
     class Batch(list):
         pass
@@ -306,6 +308,9 @@ def _fake_nvcomp(*, into: bool = False, lenient: str = "", sized: bool = False, 
             soft = lenient in ("into", "both") or (lenient == "sized" and config is not None)
             for frame, target in zip(src, kwargs["out"]):
                 values = inflate(bytes(frame.numpy()), soft)
+                if overrun and not values.any():  # a lying frame: 4 KiB past its output
+                    ctypes.memset(target.data_ptr(), 7, target.numel() + 4096)
+                    continue
                 if values.size > target.numel():
                     raise ValueError("output buffer too small")
                 if values.any():  # a soft failure writes nothing
@@ -559,13 +564,14 @@ def test_a_short_frame_never_shows_an_earlier_steps_bytes(monkeypatch):
 @pytest.mark.parametrize("keys,checked", [({}, True), ({"verify": "header"}, False),
                                           ({"verify": "header", "auth_key_file": "/k"}, True)])
 def test_device_codec_for_tells_the_decoder_whether_stored_bytes_are_checked(monkeypatch, keys, checked):
-    """``checked`` (what lets a lax nvCOMP be used) follows verify=full or a MAC key."""
+    """``checked`` (what lets a lax nvCOMP be used) follows verify=full or a MAC key;
+    ``authenticated`` (what lets an overrunning one be used) a MAC key only."""
     import pykv.connector.device_zstd as device_zstd
     made = []
 
     class Recording:
-        def __init__(self, codec, copier, largest, *, checked):
-            made.append(checked)
+        def __init__(self, codec, copier, largest, *, checked, authenticated):
+            made.append((checked, authenticated))
 
         def self_test(self):
             pass
@@ -573,4 +579,30 @@ def test_device_codec_for_tells_the_decoder_whether_stored_bytes_are_checked(mon
     monkeypatch.setattr(device_zstd, "DevicePlanesZstd", Recording)
     copier = types.SimpleNamespace(tensors=[types.SimpleNamespace(device=torch.device("cuda", 0))])
     device_codec_for(codec_for("planes-zstd"), config(codec="planes-zstd", **keys), copier, [RAW])
-    assert made == [checked]
+    assert made == [(checked, "auth_key_file" in keys)]
+
+
+def test_a_decoder_writing_past_a_lying_frames_plane_is_kept_only_with_a_mac(tensors, monkeypatch):
+    """nvCOMP 6.0 as the H100 showed it (run 23): every mode that decodes into given outputs writes
+    all of a frame holding more bytes than it declares. Checked by a checksum only, the start check
+    falls back to ``copy``; with a MAC (no stored bytes but pykv's own reach the decoder) it keeps
+    the first mode, and loads stay bit-exact."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True, lenient="both", overrun=True))
+    checksummed = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), checksummed)
+    device.self_test()
+    assert checksummed.mode == "copy" and not device.overrunning
+    device.close()
+    authenticated = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(1), authenticated, authenticated=True)
+    device.self_test()
+    assert authenticated.mode == "sized" and device.overrunning and device.lax_frames
+    payload = payload_of(tensors, [3, 4])
+    ok, _, _ = load(device, CODEC.encode(payload), [5, 6])
+    assert ok and payload_of(device.copier.tensors, [5, 6]) == payload
+    device.close()
+
+
+def test_a_decoder_overrunning_a_good_frame_is_refused_even_with_a_mac(tensors):
+    with pytest.raises(InputError, match="outside its plane"):
+        decoder(tensors, Overrunning(CODEC), authenticated=True).self_test()

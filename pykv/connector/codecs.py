@@ -46,7 +46,7 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
     if codec.name != "planes-zstd":
         return None
     from pykv.connector.device_zstd import DevicePlanesZstd
-    return _on_gpu(lambda checked: DevicePlanesZstd(codec, copier, max(payload_lengths), checked=checked), pykv,
+    return _on_gpu(lambda **guards: DevicePlanesZstd(codec, copier, max(payload_lengths), **guards), pykv,
                    copier, "planes-zstd loads decode on the codec threads")
 
 
@@ -54,14 +54,15 @@ def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengt
     """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP as ``_on_gpu`` allows, else by
     the codec threads."""
     from pykv.connector.device_fp8_zstd import DeviceFp8HostZstd, DeviceFp8Zstd
-    return (_on_gpu(lambda checked: DeviceFp8Zstd(codec, copier, payload_lengths, checked=checked), pykv, copier,
+    return (_on_gpu(lambda **guards: DeviceFp8Zstd(codec, copier, payload_lengths, **guards), pykv, copier,
                     "fp8-zstd frames decode on the codec threads")
             or DeviceFp8HostZstd(codec, copier, payload_lengths))
 
 
-def _on_gpu(build: Callable[[bool], DeviceCodec], pykv: PykvConfig, copier: TorchCopier,
+def _on_gpu(build: Callable[..., DeviceCodec], pykv: PykvConfig, copier: TorchCopier,
             fallback: str) -> DeviceCodec | None:
-    """``build(checked)``, an nvCOMP decoder, once it passes its start check, where ``codec_decode``
+    """``build(checked=, authenticated=)`` (how the stored bytes are guarded before decoding: a
+    checksum or MAC, a MAC), an nvCOMP decoder, once it passes its start check, where ``codec_decode``
     allows (``auto``, ``gpu``) and the KV is on a GPU; else None (``auto``: ``fallback`` said in one
     log line). ``codec_decode=gpu`` that cannot be kept is an ``InputError``."""
     if pykv.codec_decode == "cpu":
@@ -72,7 +73,7 @@ def _on_gpu(build: Callable[[bool], DeviceCodec], pykv: PykvConfig, copier: Torc
         return None
     device = None
     try:
-        device = build(_checked(pykv))
+        device = build(checked=_checked(pykv), authenticated=pykv.auth_key_file is not None)
         device.self_test()
         return device
     except InputError as exc:

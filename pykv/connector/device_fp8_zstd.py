@@ -35,11 +35,11 @@ class DeviceFp8Zstd(DeviceZstdFrames):
     host_layer = True  # stores: the codec threads code the slot's fp8 bytes with ``codec.frames``
 
     def __init__(self, codec: Fp8ZstdCodec, copier: TorchCopier, payload_lengths: Sequence[int],
-                 frames: FrameDecoder | None = None, *, checked: bool = True, streams: bool | None = None,
-                 step_blocks: int | None = None) -> None:
+                 frames: FrameDecoder | None = None, *, checked: bool = True, authenticated: bool = False,
+                 streams: bool | None = None, step_blocks: int | None = None) -> None:
         largest = largest_fp8_payload(codec.fp8, payload_lengths)
         super().__init__(codec.params, codec.frames, copier, largest, codec.inner_length(largest), frames,
-                         checked=checked, streams=streams, step_blocks=step_blocks)
+                         checked=checked, authenticated=authenticated, streams=streams, step_blocks=step_blocks)
         self.codec = codec
 
     def _refusal(self, load: CodedLoad) -> str | None:

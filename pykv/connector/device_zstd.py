@@ -47,16 +47,18 @@ class DeviceZstdFrames(DeviceCodec):
     """Decodes loads stored as ``layer`` (a ``PlanesZstdCodec``) over rows of ``_row_length(raw)``
     bytes with ``frames``; subclasses turn the rows into payloads (``_from_rows``).
     ``largest_row``: the row of the largest raw payload; ``checked``: the stored bytes' checksum
-    or MAC is verified before a load gets here (``verify=full`` or ``auth_key_file``)."""
+    or MAC is verified before a load gets here (``verify=full`` or ``auth_key_file``);
+    ``authenticated``: a MAC is (``auth_key_file``): only frames pykv's encoder made get here."""
 
     step_bytes = STEP_BYTES // 2  # its scratch: the payloads, their stored bytes and their rows
 
     def __init__(self, params: str, layer: PlanesZstdCodec, copier: TorchCopier, largest_payload: int,
                  largest_row: int, frames: FrameDecoder | None = None, *, checked: bool = True,
-                 streams: bool | None = None, step_blocks: int | None = None) -> None:
+                 authenticated: bool = False, streams: bool | None = None, step_blocks: int | None = None) -> None:
         super().__init__(params, copier, largest_payload, streams=streams, step_blocks=step_blocks)
-        self.layer, self.checked = layer, checked
+        self.layer, self.checked, self.authenticated = layer, checked, authenticated
         self.lax_frames = False  # the start check: lying frames decode without an error (``checked`` needed)
+        self.overrunning = False  # ... and write outside their plane (``authenticated`` needed)
         try:
             self.frames = frames if frames is not None else NvcompFrames(self.device, getattr(self, "_stream", None))
             self._stored_row = layer.encoded_bound(largest_row)
@@ -80,8 +82,10 @@ class DeviceZstdFrames(DeviceCodec):
         frames holding fewer or more bytes than their header declares either refused (as the CPU
         decoder refuses them) or decoded without a byte written outside their plane, which the
         engine accepts only where ``checked`` (the stored bytes' checksum or MAC is verified before
-        decoding: ``lax_frames`` says so). A decoder with several ``modes`` keeps the first that
-        passes; ``InputError`` (one line) if none does."""
+        decoding: ``lax_frames`` says so); a decoder that writes outside the plane for them only
+        where ``authenticated`` (``overrunning``: no stored bytes but pykv's own reach it). A
+        decoder with several ``modes`` keeps the first that passes; ``InputError`` (one line) if
+        none does."""
         problems = []
         for mode in getattr(self.frames, "modes", (None,)):
             if mode is not None:
@@ -90,7 +94,10 @@ class DeviceZstdFrames(DeviceCodec):
             if problem is None:
                 log.info("pykv: %s frames decode on the GPU%s%s%s", self.name, f" {mode}" if mode else "",
                          "; it does not refuse a frame whose body holds another size than its header "
-                         "declares: the stored bytes' checksum guards loads" if self.lax_frames else "",
+                         "declares (and writes past its plane for one holding more): the MAC guards loads"
+                         if self.overrunning else "; it does not refuse a frame whose body holds another "
+                         "size than its header declares: the stored bytes' checksum guards loads"
+                         if self.lax_frames else "",
                          f" ({'; '.join(problems)})" if problems else "")
                 return
             problems.append(problem if mode is None else f"{mode}: {problem}")
@@ -115,7 +122,7 @@ class DeviceZstdFrames(DeviceCodec):
             return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         if self._overran(guarded):
             return "a frame wrote outside its plane"
-        self.lax_frames = False
+        self.lax_frames = self.overrunning = False
         for how, frame in lying.items():
             guarded.fill_(0xAB)
             out.zero_()
@@ -124,7 +131,10 @@ class DeviceZstdFrames(DeviceCodec):
             except Exception:  # noqa: BLE001 - refused: what the start check wants
                 refused = True
             if self._overran(guarded):
-                return f"a frame holding {how} bytes than it declares wrote outside its plane"
+                if not self.authenticated:
+                    return (f"a frame holding {how} bytes than it declares wrote outside its plane "
+                            "(kept only with auth_key_file: a MAC over the stored bytes)")
+                self.overrunning = True
             if not refused:
                 if not self.checked:
                     return (f"a frame holding {how} bytes than it declares decoded without an error, and "
@@ -200,12 +210,12 @@ class DevicePlanesZstd(DeviceZstdFrames):
     encodes = False
 
     def __init__(self, codec: PlanesZstdCodec, copier: TorchCopier, largest_payload: int,
-                 frames: FrameDecoder | None = None, *, checked: bool = True, streams: bool | None = None,
-                 step_blocks: int | None = None) -> None:
+                 frames: FrameDecoder | None = None, *, checked: bool = True, authenticated: bool = False,
+                 streams: bool | None = None, step_blocks: int | None = None) -> None:
         if codec.elem != 2:
             raise InputError(f"codec planes-zstd decodes on the GPU 2-byte values only, not {codec.elem}-byte")
         super().__init__(codec.params, codec, copier, largest_payload, largest_payload, frames, checked=checked,
-                         streams=streams, step_blocks=step_blocks)
+                         authenticated=authenticated, streams=streams, step_blocks=step_blocks)
         self.codec = codec
 
     def _refusal(self, load: CodedLoad) -> str | None:
