@@ -29,12 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pykv.counters import CounterFile, WorkerCounter
-from pykv.failures import BlockFailure, Step
-from pykv.format_codec import NONE
-from pykv.format import HEADER_SIZE
 from pykv.connector.amx import request_amx_permission
 from pykv.gil import apply_switch_interval
 from pykv.jobledger import JobEnd, Kind, Release
@@ -43,9 +39,9 @@ from pykv.store import BlockRef, BlockStore, CopyDone, EngineShape, SlotCopy
 from pykv.connector import compat
 from pykv.connector.compat import CanonicalKVCaches, GPULoadStoreSpec, OffloadingConfig, OffloadingWorker, TransferResult
 from pykv.config import PykvConfig
-from pykv.connector.copier import CopyTask, CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
+from pykv.connector.copier import CudaCopier, TorchCopier, cuda_host_register, cuda_host_unregister
 from pykv.connector.codecs import codec_stage_for, device_codec_for, engine_codec, where_decoded
-from pykv.connector.device_codec import CodedLoad
+from pykv.connector.slot_copies import SlotCopies
 from pykv.connector.layout import BlockLayout, namespace_for, slot_bytes, slot_counts
 from pykv.connector.messages import NO_SLOT, PykvLoadSpec, PykvStoreSpec, WorkerReport
 
@@ -101,13 +97,11 @@ class PykvWorker(OffloadingWorker):
         self.namespace, self.devices, self.pool, self.reactor = (self.store.namespace, self.store.devices,
                                                               self.store.pool, self.store.reactor)
         self.counters: Counter[str] = self.store.counters
-        self._slot_tensors = [torch.frombuffer(self.pool.view(s), dtype=torch.int8) for s in range(self.pool.num_slots)]
         self.copier = CudaCopier(tensors, self.layout) if cuda else TorchCopier(tensors, self.layout)
         self.device_codec = device_codec_for(codec, pykv, self.copier, [
             self.layout.geometry(g).payload_length for g in range(len(self.layout.groups))])
         self.codec_stage = codec_stage_for(codec, self.device_codec, pykv, shape.slot_bytes, register, unregister)
-        self._scratch_tensors = [] if self.codec_stage is None else [
-            torch.frombuffer(self.codec_stage.view(b), dtype=torch.int8) for b in range(self.codec_stage.scratch.num_slots)]
+        self.slots = SlotCopies(self.pool, self.copier, self.device_codec, self.codec_stage)
         log.info("pykv worker %d: namespace %s, %d staging + %d DRAM slots of %d bytes, %s I/O, %s copies, codec %s%s",
                  self.rank, self.namespace.id, transient, dram, self.pool.slot_bytes, self.reactor.backend.name,
                  type(self.copier).__name__, codec.params, where_decoded(codec, self.device_codec))
@@ -217,10 +211,9 @@ class PykvWorker(OffloadingWorker):
         self.copier.close()
         if self.device_codec is not None:
             self.device_codec.close()
+        self.slots.close()
         if self.codec_stage is not None:
-            self._scratch_tensors.clear()
             self.codec_stage.close()
-        self._slot_tensors.clear()
         self.store.close()
         self._write_stats()
         self._stats_file.flush()
@@ -282,86 +275,11 @@ class PykvWorker(OffloadingWorker):
             self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
 
     # -- the store's client (reactor, copier or engine thread) ---------------------------------------
-    def _tasks(self, copies: list[SlotCopy]) -> list[CopyTask]:
-        """Each copy with its chunk (``SlotCopy.target``) as the copier's task (stores' chunks never skip)."""
-        return [CopyTask(self._slot_tensors[c.slot][HEADER_SIZE:HEADER_SIZE + c.length], c.target.group,
-                         c.target.gpu_ids, c.target.skip, token=c, after=c.target.ready) for c in copies]
-
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        """The KV into the slots, then (with a codec) each payload encoded in its slot; fp8 encodes
-        on the device and copies only the stored bytes (fp8-zstd: then coded on the codec threads)."""
-        stage = self.codec_stage
-        if self.device_codec is not None and self.device_codec.encodes:
-            layered = self.device_codec.host_layer
-            self.device_codec.store(self._tasks(copies), lambda task, ok, stored: self._recode(
-                task.token, ok, stored, done) if layered else done(task.token, ok, stored=stored))
-            return
-        if stage is None:
-            self.copier.to_slots(self._tasks(copies), lambda task, ok: done(task.token, ok))
-            return
-
-        def copied(task: CopyTask, ok: bool) -> None:
-            copy: SlotCopy = task.token
-            if not ok:
-                done(copy, False)
-                return
-            payload = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
-            stage.encode(payload, lambda stored: done(copy, True, stored=stored))
-
-        self.copier.to_slots(self._tasks(copies), copied)
-
-    def _recode(self, copy: SlotCopy, ok: bool, stored: int | None, done: CopyDone) -> None:
-        """A device step's stored bytes coded once more by the codec threads (``fp8-zstd``)."""
-        payload = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
-        if ok and stored is not None:
-            self.codec_stage.recode(payload, stored, lambda coded: done(copy, coded is not None, stored=coded))
-        else:
-            done(copy, False)
+        self.slots.to_slots(copies, done)
 
     def from_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
-        """Raw blocks straight to the copier (one batch); coded ones decoded first, each on its own
-        (on the KV's device for fp8 and, with ``codec_decode``, planes-zstd; else on the codec threads)."""
-        raw = [c for c in copies if c.codec == NONE]
-        if raw:
-            self.copier.from_slots(self._tasks(raw), lambda task, ok: done(task.token, ok))
-        coded = [c for c in copies if c.codec != NONE]
-        device = self.device_codec
-        if coded and device is not None and not device.host_frames:
-            loads = [CodedLoad(task, task.token.decoded_length or 0, task.token.codec) for task in self._tasks(coded)]
-            device.load(loads, lambda task, ok, failure: done(task.token, ok, failure=failure))
-            return
-        stage = self.codec_stage
-        for copy in coded:
-            length, params = copy.decoded_length or 0, copy.codec
-            if device is not None and stage is not None:  # fp8-zstd: its zstd layer here, its fp8 on the device
-                length, params = device.unlayered(copy.codec, length), stage.params
-            if stage is None or length is None:  # not one of ours
-                done(copy, False, failure=BlockFailure(Step.CHECK, detail=f"a block of codec {copy.codec[:80]!r} "
-                                                       f"and {copy.decoded_length} raw bytes, not this engine's"))
-                continue
-            stored = self.pool.view(copy.slot)[HEADER_SIZE:HEADER_SIZE + copy.length]
-            stage.decode(stored, length, params, lambda buffer, failure, copy=copy, length=length:
-                         self._copy_decoded(copy, buffer, length, failure, done))
-
-    def _copy_decoded(self, copy: SlotCopy, buffer: int | None, length: int, failure: BlockFailure | None,
-                      done: CopyDone) -> None:
-        """(Codec thread.) A decoded block from its scratch buffer to the engine (through the device
-        codec where it has a host layer), then the buffer is free."""
-        if buffer is None:
-            done(copy, False, failure=failure)
-            return
-        stage, target = self.codec_stage, copy.target
-        task = CopyTask(self._scratch_tensors[buffer][:length], target.group, target.gpu_ids,
-                        target.skip, token=copy, after=target.ready)
-
-        def copied(_task: CopyTask, ok: bool, failure: BlockFailure | None = None) -> None:
-            stage.release(buffer)
-            done(copy, ok, failure=failure)
-
-        if self.device_codec is not None:
-            self.device_codec.load([CodedLoad(task, copy.decoded_length or 0, copy.codec)], copied)
-        else:
-            self.copier.from_slots([task], copied)
+        self.slots.from_slots(copies, done)
 
     def store_released(self, release: Release) -> None:
         """A store sealed in its DRAM slots: vLLM gets it now, the writes go on (early release); or one
