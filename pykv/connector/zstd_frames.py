@@ -84,7 +84,7 @@ class NvcompFrames:
     their sizes (nvCOMP neither reads the headers back nor synchronizes the stream); ``into``
     decodes straight into the outputs (``out=``: no allocation per frame, no copy; nvCOMP reads
     the headers, synchronizing the stream); ``copy`` into nvCOMP's own arrays, each checked for
-    its size and copied. Frames and outputs go to nvCOMP as ``DeviceBytes``, or, in the
+    its size, then all copied in one ``_foreach_copy_``. Frames and outputs go to nvCOMP as ``DeviceBytes``, or, in the
     ``-slices`` modes (where nvCOMP refuses those), as torch slices."""
 
     modes = ("sized", "into", "sized-slices", "into-slices", "copy")
@@ -135,9 +135,12 @@ class NvcompFrames:
                 self._codec.decode(arrays, out=targets)
             return bad, (arrays, targets)
         decoded_arrays = self._codec.decode(arrays)
+        sources, targets = [], []
         for (into, size), array in zip(outputs.tolist(), decoded_arrays):
             decoded = torch.as_tensor(array, device=target.device).view(torch.uint8).reshape(-1)
             if decoded.numel() != size:
                 raise CodecError("zstd", f"a frame decoded to {decoded.numel()} bytes on the GPU, not {size}")
-            target[into:into + size].copy_(decoded, non_blocking=True)
-        return bad, (arrays, decoded_arrays)
+            sources.append(decoded)
+            targets.append(target[into:into + size])
+        torch._foreach_copy_(targets, sources, non_blocking=True)  # a few kernels for all frames, not one each
+        return bad, (arrays, decoded_arrays, sources)
