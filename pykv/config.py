@@ -260,15 +260,16 @@ class PykvConfig:
     codec: str = _key(_codec, "none", "How block payloads are stored: none (as they are), planes-zstd (lossless, "
                       "bit-exact, about 0.68 of the bytes for CPU time to encode and decode) or fp8 (lossy, opt-in: "
                       "0.51 of the bytes, coded on the GPU, bf16/fp16 KV only) or fp8-zstd (fp8's KV in about 0.42 of the "
-                      "bytes: fp8's bytes zstd-coded on the codec threads, decoded by nvCOMP on the GPU). Each codec "
+                      "bytes: fp8's bytes zstd-coded on the codec threads, decoded by nvCOMP or the codec threads). Each codec "
                       "is a namespace of its own. See docs/codecs.md.", "str")
     codec_threads: int | None = _key(_threads_or_auto, "auto", "Threads that encode stores and decode loads "
-                                     "with planes-zstd, and code fp8-zstd's stores (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
+                                     "with planes-zstd, and fp8-zstd's zstd layer (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
                                      "half the host's cores, 2 to 8.", "int")
     codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads (fp8-zstd's frames) are decoded: "
-                             "cpu (the codec threads; fp8-zstd: the host), gpu (nvCOMP on the KV's GPU; the engine refuses to start without it) "
-                             "or auto (gpu where nvCOMP is installed and passes its start check, else cpu; nvCOMP 6.0 "
-                             "needs verify=full or auth_key_file there).", "str")
+                             "cpu (the codec threads; fp8-zstd: its zstd layer there, fp8 on the GPU), gpu (nvCOMP on the KV's GPU; the engine "
+                             "refuses to start without it) or auto (gpu where nvCOMP is installed and passes its start "
+                             "check, else cpu; nvCOMP 6.0 needs verify=full or auth_key_file there, and auth_key_file "
+                             "for its fast modes).", "str")
     gil_switch_ms: float | None = _key(_switch_ms, "keep", "The engine process's GIL switch interval in "
                                       "milliseconds (sys.setswitchinterval), set when the worker starts; keep: "
                                       "leave it (Python's default is 5). pykv's threads issue many short GIL-"
