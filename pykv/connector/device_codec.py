@@ -140,10 +140,15 @@ class DeviceCodec:
     # -- a codec's steps ---------------------------------------------------------------------------
     def _refusal(self, load: CodedLoad) -> str | None:
         """Why this load cannot be one of ours (checked before any device work), or None."""
-        if load.params != self.params:
-            return f"a block of codec {load.params}, this engine's is {self.params}"
-        if not 0 < load.raw_length <= self.largest:
-            return f"a coded block of {load.raw_length} raw bytes"
+        return self.raw_refusal(load.params, load.raw_length)
+
+    def raw_refusal(self, params: str, raw_length: int) -> str | None:
+        """Why a block of codec ``params`` and ``raw_length`` raw bytes (its trusted header's)
+        cannot be one of ours, or None."""
+        if params != self.params:
+            return f"a block of codec {params[:80]}, this engine's is {self.params}"
+        if not 0 < raw_length <= self.largest:
+            return f"a coded block of {raw_length} raw bytes"
         return None
 
     def _encode(self, task: CopyTask) -> Issued:
@@ -304,6 +309,11 @@ class DeviceCodec:
                 self._finish(work, flag, stored)
 
 
+def whole_groups_refusal(raw_length: int, group: int) -> str | None:
+    """Why ``raw_length`` raw bytes are not whole quantization groups of bf16/fp16 values, or None."""
+    return f"a coded block of {raw_length} raw bytes" if raw_length % (2 * group) else None
+
+
 class DeviceFp8(DeviceCodec):
     """``fp8`` stores and loads on the KV's device; ``payload_lengths``: the raw payload length of
     each KV group's storage blocks (whole groups of the codec, else ``InputError`` at start)."""
@@ -318,10 +328,11 @@ class DeviceFp8(DeviceCodec):
         self._stored = torch.empty(codec.stored_length(largest) * self.step_blocks, dtype=torch.uint8,
                                    device=self.device)
 
+    def raw_refusal(self, params: str, raw_length: int) -> str | None:
+        return super().raw_refusal(params, raw_length) or whole_groups_refusal(raw_length, self.codec.group)
+
     def _refusal(self, load: CodedLoad) -> str | None:
         refused = super()._refusal(load)
-        if refused is None and load.raw_length % (2 * self.codec.group):
-            return f"a coded block of {load.raw_length} raw bytes"
         if refused is None and load.task.payload.numel() != self.codec.stored_length(load.raw_length):
             return f"{load.task.payload.numel()} stored bytes for {load.raw_length} raw"
         return refused

@@ -20,8 +20,8 @@ from pykv.codec.fp8 import decode_rows
 from pykv.codec.fp8_zstd import Fp8ZstdCodec
 
 from pykv.connector.copier import CopyTask, TorchCopier
-from pykv.connector.device_codec import (STEP_BYTES, CodedLoad, DeviceFp8, Issued, encode_fp8,
-                                         largest_fp8_payload)
+from pykv.connector.device_codec import (STEP_BYTES, DeviceFp8, Issued, encode_fp8, largest_fp8_payload,
+                                         whole_groups_refusal)
 from pykv.connector.device_zstd import DeviceZstdFrames
 from pykv.connector.zstd_frames import FrameDecoder
 
@@ -42,10 +42,8 @@ class DeviceFp8Zstd(DeviceZstdFrames):
                          checked=checked, authenticated=authenticated, streams=streams, step_blocks=step_blocks)
         self.codec = codec
 
-    def _refusal(self, load: CodedLoad) -> str | None:
-        if load.raw_length % (2 * self.codec.group):
-            return f"a coded block of {load.raw_length} raw bytes"
-        return super()._refusal(load)
+    def raw_refusal(self, params: str, raw_length: int) -> str | None:
+        return whole_groups_refusal(raw_length, self.codec.group) or super().raw_refusal(params, raw_length)
 
     def _encode(self, task: CopyTask) -> Issued:
         return encode_fp8(self, self.codec.fp8, task)
@@ -69,11 +67,9 @@ class DeviceFp8HostZstd(DeviceFp8):
     def __init__(self, codec: Fp8ZstdCodec, copier: TorchCopier, payload_lengths: Sequence[int], *,
                  streams: bool | None = None, step_blocks: int | None = None) -> None:
         super().__init__(codec.fp8, copier, payload_lengths, streams=streams, step_blocks=step_blocks)
-        self.params, self.layer, self.layered = codec.params, codec.frames, codec
+        self.fp8_zstd, self.params, self.layer = codec, codec.params, codec.frames
 
     def unlayered(self, params: str, raw_length: int) -> int | None:
         """The fp8 bytes under the zstd layer of a block of codec ``params`` and ``raw_length`` raw
         bytes (from the trusted header's length), or None where this engine refuses the block."""
-        if params != self.params or not 0 < raw_length <= self.largest or raw_length % (2 * self.codec.group):
-            return None
-        return self.layered.inner_length(raw_length)
+        return None if self.raw_refusal(params, raw_length) else self.fp8_zstd.inner_length(raw_length)

@@ -218,11 +218,9 @@ class DevicePlanesZstd(DeviceZstdFrames):
                          authenticated=authenticated, streams=streams, step_blocks=step_blocks)
         self.codec = codec
 
-    def _refusal(self, load: CodedLoad) -> str | None:
-        refused = super()._refusal(load)
-        if refused is None and load.raw_length % 2:
-            return f"a coded block of {load.raw_length} raw bytes"
-        return refused
+    def raw_refusal(self, params: str, raw_length: int) -> str | None:
+        refused = super().raw_refusal(params, raw_length)
+        return refused or (f"a coded block of {raw_length} raw bytes" if raw_length % 2 else None)
 
     def _row_length(self, raw: int) -> int:
         return raw
