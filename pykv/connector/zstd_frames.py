@@ -2,7 +2,8 @@
 
 ``NvcompFrames`` (``nvidia-nvcomp-cu12`` or ``-cu13``, matching torch's CUDA) decodes a step's
 frames in one batched call; ``HostFrames`` (zstandard on the host, one frame at a time) is the
-reference, the tests' decoder and the fallback where nvCOMP is missing. ``lying_frame`` builds
+reference the tests run the device steps with; the engine never uses it (without nvCOMP the codec
+threads decode, ``connector.codecs.device_codec_for``). ``lying_frame`` builds
 the hostile frame the start check (``device_zstd.DeviceZstdFrames.self_test``) feeds them.
 """
 
