@@ -7,7 +7,6 @@ payload into exactly the block's KV rows and never changes the slot; hostile cod
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
+import device_rig  # noqa: E402
+from device_rig import Ends  # noqa: E402,F401  (also the other device tests')
 
 from pykv.codec.fp8 import Fp8Codec  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
@@ -33,33 +34,11 @@ CODEC = Fp8Codec("bfloat16")
 
 
 def kv_tensors(seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(NUM_BLOCKS, PAGE // 2, generator=generator) * (1 + i)).to(torch.bfloat16).view(torch.int8)
-            for i in range(2)]
+    return device_rig.kv_tensors(NUM_BLOCKS, PAGE, (1, 2), seed)
 
 
 def gathered(tensors, ids, skip=0) -> bytes:
-    """The block's raw payload, as the plain copier puts it into a slot."""
-    slot = torch.zeros(RAW, dtype=torch.int8)
-    TorchCopier(tensors, LAYOUT).to_slots([CopyTask(slot, 0, np.asarray(ids), skip)], lambda t, ok: None)
-    return slot.numpy().tobytes()
-
-
-class Ends:
-    """Every ``done`` call, in order; ``wait`` for a count (the threaded path ends later)."""
-
-    def __init__(self) -> None:
-        self.calls, self.cond = [], threading.Condition()
-
-    def __call__(self, task, ok, extra) -> None:
-        with self.cond:
-            self.calls.append((task, ok, extra))
-            self.cond.notify_all()
-
-    def wait(self, count: int) -> list:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.calls) >= count, timeout=10), self.calls
-            return list(self.calls)
+    return device_rig.gathered(LAYOUT, RAW, tensors, ids, skip)
 
 
 def store_one(device: DeviceFp8, ids) -> tuple[torch.Tensor, int]:
@@ -72,11 +51,7 @@ def store_one(device: DeviceFp8, ids) -> tuple[torch.Tensor, int]:
 
 
 def load(device: DeviceFp8, stored: bytes, ids, skip=0, raw=RAW, params=CODEC.params):
-    slot = torch.frombuffer(bytearray(stored), dtype=torch.int8)
-    ends = Ends()
-    device.load([CodedLoad(CopyTask(slot, 0, np.asarray(ids), skip), raw, params)], ends)
-    [(_, ok, failure)] = ends.wait(1)
-    return ok, failure, slot
+    return device_rig.coded_load(device, stored, ids, raw, params, skip)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
-from test_device_codec import Ends  # noqa: E402
+import device_rig  # noqa: E402
+from device_rig import Ends  # noqa: E402
 from test_device_zstd import _fake_nvcomp, _install_fake, config  # noqa: E402
 
 from pykv.codec.fp8 import Fp8Codec  # noqa: E402
@@ -42,15 +43,11 @@ FP8 = Fp8Codec()
 
 
 def kv_tensors(seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(NUM_BLOCKS, PAGE // 2, generator=generator) * 0.05).to(torch.bfloat16).view(torch.int8)
-            for _ in range(2)]
+    return device_rig.kv_tensors(NUM_BLOCKS, PAGE, seed=seed)
 
 
 def payload_of(tensors, ids) -> bytes:
-    slot = torch.zeros(RAW, dtype=torch.int8)
-    TorchCopier(tensors, LAYOUT).to_slots([CopyTask(slot, 0, np.asarray(ids), 0)], lambda t, ok: None)
-    return slot.numpy().tobytes()
+    return device_rig.gathered(LAYOUT, RAW, tensors, ids)
 
 
 def round_trip_into(tensors, stored: bytes, ids) -> list[torch.Tensor]:
@@ -67,11 +64,7 @@ def device(tensors, frames=None, **kwargs) -> DeviceFp8Zstd:
 
 
 def load(dev, stored: bytes, ids, raw=RAW, params=CODEC.params):
-    slot = torch.frombuffer(bytearray(stored), dtype=torch.int8)
-    ends = Ends()
-    dev.load([CodedLoad(CopyTask(slot, 0, np.asarray(ids), 0), raw, params)], ends)
-    [(_, ok, failure)] = ends.wait(1)
-    return ok, failure, slot
+    return device_rig.coded_load(dev, stored, ids, raw, params)
 
 
 @pytest.fixture

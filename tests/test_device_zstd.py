@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
-from test_device_codec import Ends  # noqa: E402
+import device_rig  # noqa: E402
+from device_rig import Ends  # noqa: E402
 
 from pykv.codec.base import CodecError  # noqa: E402
 from pykv.codec.lossless import PlanesZstdCodec  # noqa: E402
@@ -45,15 +46,11 @@ CODEC = PlanesZstdCodec(chunk=3000)  # several chunks, the last one shorter
 
 
 def kv_tensors(seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(NUM_BLOCKS, PAGE // 2, generator=generator) * 0.05).to(torch.bfloat16).view(torch.int8)
-            for _ in range(2)]
+    return device_rig.kv_tensors(NUM_BLOCKS, PAGE, seed=seed)
 
 
 def payload_of(tensors, ids) -> bytes:
-    slot = torch.zeros(RAW, dtype=torch.int8)
-    TorchCopier(tensors, LAYOUT).to_slots([CopyTask(slot, 0, np.asarray(ids), 0)], lambda t, ok: None)
-    return slot.numpy().tobytes()
+    return device_rig.gathered(LAYOUT, RAW, tensors, ids)
 
 
 def decoder(tensors, frames=None, **kwargs) -> DevicePlanesZstd:
@@ -61,11 +58,7 @@ def decoder(tensors, frames=None, **kwargs) -> DevicePlanesZstd:
 
 
 def load(device, stored: bytes, ids, raw=RAW, params=CODEC.params, skip=0):
-    slot = torch.frombuffer(bytearray(stored), dtype=torch.int8)
-    ends = Ends()
-    device.load([CodedLoad(CopyTask(slot, 0, np.asarray(ids), skip), raw, params)], ends)
-    [(_, ok, failure)] = ends.wait(1)
-    return ok, failure, slot
+    return device_rig.coded_load(device, stored, ids, raw, params, skip)
 
 
 @pytest.fixture
