@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from test_cuda_copier_threads import fake_cuda  # noqa: E402,F401  (fixture)
 import device_rig  # noqa: E402
-from device_rig import Ends  # noqa: E402,F401  (also the other device tests')
+from device_rig import Ends  # noqa: E402
 
 from pykv.codec.fp8 import Fp8Codec  # noqa: E402
 from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402

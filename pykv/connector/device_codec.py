@@ -310,7 +310,7 @@ class DeviceCodec:
 
 
 def whole_groups_refusal(raw_length: int, group: int) -> str | None:
-    """Why ``raw_length`` raw bytes are not whole quantization groups of bf16/fp16 values, or None."""
+    """Why ``raw_length`` raw bytes are not whole groups of ``group`` bf16/fp16 values, or None."""
     return f"a coded block of {raw_length} raw bytes" if raw_length % (2 * group) else None
 
 

@@ -32,7 +32,7 @@ from pykv.codec.lossless import PlanesZstdCodec
 from pykv.errors import InputError
 
 from pykv.connector.copier import TorchCopier
-from pykv.connector.device_codec import STEP_BYTES, CodedLoad, DeviceCodec
+from pykv.connector.device_codec import STEP_BYTES, CodedLoad, DeviceCodec, whole_groups_refusal
 from pykv.connector.zstd_frames import FrameDecoder, NvcompFrames, lying_frame
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ class DevicePlanesZstd(DeviceZstdFrames):
         self.codec = codec
 
     def raw_refusal(self, params: str, raw_length: int) -> str | None:
-        refused = super().raw_refusal(params, raw_length)
-        return refused or (f"a coded block of {raw_length} raw bytes" if raw_length % 2 else None)
+        return super().raw_refusal(params, raw_length) or whole_groups_refusal(raw_length, 1)  # whole values
 
     def _row_length(self, raw: int) -> int:
         return raw
