@@ -205,10 +205,10 @@ per thread); above it one thread per device while the host has the cores (docs/c
 DRAM_POLICIES = tuple(EVICTION_POLICIES)
 """``dram_policy``'s choices."""
 VERIFY_MODES = ("full", "header")
+"""``verify``'s choices: header and payload checksum, or header only."""
 CODEC_DECODERS = ("auto", "cpu", "gpu")
 SWITCH_MS = (0.05, 100.0)
 """The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
-"""``verify``'s choices: header and payload checksum, or header only."""
 
 
 def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: str) -> Any:
