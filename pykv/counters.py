@@ -242,6 +242,9 @@ class WorkerCounter(_Documented):
     CODEC_ISSUE_US = "codec_issue_us", "Host microseconds the issuing thread spent issuing steps."
     CODEC_FRAMES_US = ("codec_frames_us",
         "Of the issuing, microseconds in the GPU frame decoder's calls (planes-zstd: nvCOMP).")
+    CODEC_GRAPH_STEPS = ("codec_graph_steps",
+        "Of the load steps, those replayed as one CUDA graph (``codec_graphs``).")
+    CODEC_GRAPHS = "codec_graphs", "Step shapes captured as CUDA graphs (a gauge)."
     CODEC_GPU_US = "codec_gpu_us", "GPU microseconds between each step's first and last event (CUDA events)."
     CODEC_WALL_US = "codec_wall_us", "Wall microseconds from each step's issue to the poller seeing its end."
 

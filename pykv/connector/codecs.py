@@ -40,7 +40,7 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
     threads, said in one log line); None where the codec threads (or no codec) do the work."""
     if codec.name == "fp8":
         from pykv.connector.device_codec import DeviceFp8
-        return DeviceFp8(codec, copier, payload_lengths)
+        return DeviceFp8(codec, copier, payload_lengths, graphs=pykv.codec_graphs)
     if codec.name == "fp8-zstd":
         return _fp8_zstd(codec, pykv, copier, payload_lengths)
     if codec.name != "planes-zstd":

@@ -38,6 +38,7 @@ from pykv.failures import BlockFailure, Step
 
 from pykv.connector.copier import CopyTask, TorchCopier
 from pykv.connector.scatter import RowScatter
+from pykv.connector.step_graphs import GraphBackend, StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -321,12 +322,17 @@ class DeviceFp8(DeviceCodec):
     name = "fp8"
 
     def __init__(self, codec: Fp8Codec, copier: TorchCopier, payload_lengths: Sequence[int], *,
-                 streams: bool | None = None, step_blocks: int | None = None) -> None:
+                 streams: bool | None = None, step_blocks: int | None = None, graphs: bool = False,
+                 graph_backend: GraphBackend | None = None) -> None:
         largest = largest_fp8_payload(codec, payload_lengths)
         super().__init__(codec.params, copier, largest, streams=streams, step_blocks=step_blocks)
         self.codec = codec
         self._stored = torch.empty(codec.stored_length(largest) * self.step_blocks, dtype=torch.uint8,
                                    device=self.device)
+        self.graphs = None  # steps of whole chunks replayed as CUDA graphs (``codec_graphs``), CUDA only
+        if graphs and (self.device.type == "cuda" or graph_backend is not None):
+            self.graphs = StepGraphs(self.device, self.step_blocks * copier.layout.blocks_per_chunk, rows=FLAGS,
+                                     backend=graph_backend)
 
     def raw_refusal(self, params: str, raw_length: int) -> str | None:
         return super().raw_refusal(params, raw_length) or whole_groups_refusal(raw_length, self.codec.group)
@@ -349,8 +355,22 @@ class DeviceFp8(DeviceCodec):
         kept = self.copier.copy_ranges([load.task.payload for load in loads], (self._stored,), rows,
                                        source_in_order=False)
         stored = self._stored[:count * length].view(count, length)
-        bad = decode_rows(stored, self.payload[:count * raw].view(torch.uint8).view(count, raw), self.codec)
-        return bad, (self._into_kv_rows(loads), kept)
+        rows = self.payload[:count * raw].view(torch.uint8).view(count, raw)
+        whole = self.scatter.whole_ids([load.task for load in loads]) if self.graphs is not None else None
+        if whole is None:
+            bad = decode_rows(stored, rows, self.codec)
+            return bad, (self._into_kv_rows(loads), kept)
+        group, ids = whole
+        index = self.graphs.ids[:len(ids)].view(count, -1)
+
+        def body() -> torch.Tensor:
+            flags = decode_rows(stored, rows, self.codec)
+            self.scatter.put_whole(count, raw, group, index)
+            return flags
+        bad, replayed = self.graphs.run((count, raw, group), ids, body)
+        self.stats["codec_graph_steps"] += replayed
+        self.stats["codec_graphs"] = self.graphs.captured
+        return bad, kept
 
 
 def largest_fp8_payload(codec: Fp8Codec, payload_lengths: Sequence[int]) -> int:

@@ -76,6 +76,29 @@ class RowScatter:
             self._views[key] = pairs
         return pairs
 
+    def whole_ids(self, tasks: Sequence) -> tuple[int, np.ndarray] | None:
+        """(group, the ids of row 0's pages, then row 1's, ...) where every task is a whole chunk
+        of one group (one index for the whole step: ``put_whole``), else None. ``IndexError`` as
+        ``rows``'."""
+        bpc = self.layout.blocks_per_chunk
+        if not tasks or any(len(t.gpu_ids) != bpc or t.skip != 0 or t.group != tasks[0].group for t in tasks):
+            return None
+        group = tasks[0].group
+        ids = np.concatenate([np.asarray(t.gpu_ids, dtype=np.int64) for t in tasks])
+        self._check(group, ids)
+        return group, ids
+
+    def put_whole(self, count: int, raw: int, group: int, index: torch.Tensor) -> None:
+        """Rows ``0..count`` of the payload into the KV blocks of ``index`` (``count`` x blocks per
+        chunk device ids, checked by ``whole_ids``), queued on the current stream."""
+        for target, source in self._pairs(count, raw, group):
+            target.index_put_((index,), source)
+
+    def _check(self, group: int, ids: np.ndarray) -> None:
+        """Checked before any device work: a device assert kills the context."""
+        if not 0 <= ids.min() <= ids.max() < self._blocks[group]:
+            raise IndexError(f"GPU block ids {ids.min()}..{ids.max()} outside 0..{self._blocks[group] - 1}")
+
     def rows(self, raw: int, tasks: Sequence) -> list[torch.Tensor]:
         """Row ``i`` of the payload (rows of ``raw`` bytes) into the KV blocks of ``tasks[i]``
         (``CopyTask``: its ``group``, ``gpu_ids`` and ``skip``; its own ``payload`` is not read),
@@ -84,6 +107,11 @@ class RowScatter:
         tensors or a chunk overrun. Ids are vLLM's, one load per GPU block in a step."""
         bpc = self.layout.blocks_per_chunk
         keep: list[torch.Tensor] = []
+        whole = self.whole_ids(tasks)
+        if whole is not None:  # every row, every page: the rows are the values as they lie
+            group, ids = whole
+            self.put_whole(len(tasks), raw, group, _to_device(ids, self.payload.device, keep).view(len(tasks), bpc))
+            return keep
         by_group: dict[int, list[int]] = {}
         for i, task in enumerate(tasks):
             if len(task.gpu_ids):
@@ -92,18 +120,10 @@ class RowScatter:
                 by_group.setdefault(task.group, []).append(i)
         ids_of = {group: np.concatenate([np.asarray(tasks[i].gpu_ids, dtype=np.int64) for i in members])
                   for group, members in by_group.items()}
-        for group, ids in ids_of.items():  # checked before any device work: a device assert kills the context
-            if not 0 <= ids.min() <= ids.max() < self._blocks[group]:
-                raise IndexError(f"GPU block ids {ids.min()}..{ids.max()} outside 0..{self._blocks[group] - 1}")
+        for group, ids in ids_of.items():
+            self._check(group, ids)
         for group, members in by_group.items():
-            whole = len(members) == len(tasks) and all(len(tasks[i].gpu_ids) == bpc and tasks[i].skip == 0
-                                                       for i in members)
             pairs = self._pairs(len(tasks), raw, group)
-            if whole:  # every row, every page: the rows are the values as they lie
-                index = (_to_device(ids_of[group], self.payload.device, keep).view(len(members), bpc),)
-                for target, source in pairs:
-                    target.index_put_(index, source)
-                continue
             # (row, page in its chunk) of each id, with the ids: one copy to the device
             row_of = np.repeat(np.asarray(members, dtype=np.int64), [len(tasks[i].gpu_ids) for i in members])
             page_of = np.concatenate([np.arange(tasks[i].skip, tasks[i].skip + len(tasks[i].gpu_ids))
@@ -113,7 +133,6 @@ class RowScatter:
             for target, source in pairs:
                 target.index_put_((device_ids,), source[rows, pages])
         return keep
-
 
 def scatter_rows(tensors: Sequence[torch.Tensor], layout: BlockLayout, payload: torch.Tensor, raw: int,
                  tasks: Sequence) -> list[torch.Tensor]:
