@@ -270,8 +270,8 @@ class PykvConfig:
                              "refuses to start without it) or auto (gpu where nvCOMP is installed and passes its start "
                              "check, else cpu; nvCOMP 6.0 needs verify=full or auth_key_file there, and auth_key_file "
                              "for its fast modes).", "str")
-    codec_graphs: bool = _key(_bool, True, "Replay fp8's load steps of whole chunks as CUDA graphs: a step is "
-                              "then three calls instead of dozens, each of which waits for the GIL beside the "
+    codec_graphs: bool = _key(_bool, False, "Replay fp8's load steps of whole blocks as CUDA graphs: a step is "
+                              "then a few calls instead of some forty, each of which waits for the GIL beside the "
                               "engine's loop (docs/configuration.md, \"The GIL\"); false: kernel by kernel.", "bool")
     gil_switch_ms: float | None = _key(_switch_ms, "keep", "The engine process's GIL switch interval in "
                                       "milliseconds (sys.setswitchinterval), set when the worker starts; keep: "

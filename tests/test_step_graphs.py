@@ -173,3 +173,24 @@ def test_more_ids_than_the_buffer_holds_are_refused():
     for n in range(3):  # rows reused in turn; the buffer holds the latest ids
         graphs.run("k", np.arange(n, n + 4), lambda: graphs.ids.clone())
         assert graphs.ids.tolist() == list(range(n, n + 4))
+
+
+def test_codec_graphs_is_off_by_default_and_reaches_the_device_codec(monkeypatch):
+    from pykv.config import PykvConfig
+    from pykv.connector import codecs as codecs_module
+    from pykv.connector import device_codec as device_codec_module
+
+    assert PykvConfig.from_extra_config({"root": "/tmp/x"}).codec_graphs is False
+    seen = []
+
+    class Recorder(DeviceFp8):
+        def __init__(self, *args, graphs=False, **kwargs):
+            seen.append(graphs)
+            super().__init__(*args, graphs=graphs, **kwargs)
+
+    monkeypatch.setattr(device_codec_module, "DeviceFp8", Recorder)
+    copier = TorchCopier(device_rig.kv_tensors(NUM_BLOCKS, PAGE, (1, 2), 0), LAYOUT)
+    for value, expected in (("true", True), ("false", False)):
+        pykv = PykvConfig.from_extra_config({"root": "/tmp/x", "codec": "fp8", "codec_graphs": value})
+        codecs_module.device_codec_for(CODEC, pykv, copier, [RAW]).close()
+        assert seen[-1] is expected
