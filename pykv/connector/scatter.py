@@ -134,6 +134,7 @@ class RowScatter:
                 target.index_put_((device_ids,), source[rows, pages])
         return keep
 
+
 def scatter_rows(tensors: Sequence[torch.Tensor], layout: BlockLayout, payload: torch.Tensor, raw: int,
                  tasks: Sequence) -> list[torch.Tensor]:
     """``RowScatter.rows`` once: row ``i`` of ``payload`` (1-d int8/uint8 on the KV's device, rows
