@@ -9,6 +9,8 @@
 # PYKV_MBW_ENGINES replaces the read engines, e.g. adding the host's ceiling for a load's byte movements
 # (read, hash, GPU copy; h200bench/ceiling.py, needs torch with CUDA):
 #   PYKV_MBW_ENGINES=io_uring-one-ring,ceiling-h2d,ceiling-hash,ceiling-hash-h2d bash benchmarks/h200_one_ring.sh 8 2
+# PYKV_MBW_CONFIGS replaces the read sizes and depths (BYTES:DEPTH,...; default 28 MiB at 8 and 16), e.g.
+# fp8's stored 256-token block of the 3B shape: PYKV_MBW_CONFIGS=14909440:16,29360128:16
 set -uo pipefail
 N=${1:-8}; GIB=${2:-2}
 OUTDIR=${OUT:-/tmp/pykv-one-ring}; mkdir -p "$OUTDIR"
@@ -27,7 +29,7 @@ for i in $(seq 0 $((N - 1))); do
 done
 list=$(IFS=,; echo "${dirs[*]}")
 timeout 400 python3 benchmarks/h200_connector.py mbw --results "$OUTDIR/one_ring.jsonl" --stage one-ring --dirs "$list" \
-    --counts "$N" --configs 29360128:8,29360128:16 --engines ${PYKV_MBW_ENGINES:-io_uring,io_uring-one-ring} --size $((GIB << 30)) \
+    --counts "$N" --configs ${PYKV_MBW_CONFIGS:-29360128:8,29360128:16} --engines ${PYKV_MBW_ENGINES:-io_uring,io_uring-one-ring} --size $((GIB << 30)) \
     --repeat 3 --files-size $((1 << 30)) --files-modes header,full --copy-threads ""
 rc=$?
 while read -r dev img mnt; do umount "$mnt"; losetup -d "$dev"; rm -f "$img"; done < /tmp/pykv-ring-devices
