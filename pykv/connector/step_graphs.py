@@ -84,7 +84,11 @@ class StepGraphs:
         self._seen: set[Hashable] = set()
         self._keep = keep
         self.enabled = True
-        self.captured = 0  # shapes captured (the engine's ``codec_graphs`` counter)
+
+    @property
+    def captured(self) -> int:
+        """Shapes captured (the engine's ``codec_graphs`` counter)."""
+        return len(self._graphs)
 
     def run(self, key: Hashable, ids: np.ndarray, body: Body) -> tuple[torch.Tensor, bool]:
         """``body``'s output with ``ids`` (at most ``width``) in the first places of ``ids``, its
@@ -126,5 +130,4 @@ class StepGraphs:
                         "kernel by kernel from now on (codec_graphs)", error)
             return None
         self._graphs[key] = graph
-        self.captured += 1
         return graph
