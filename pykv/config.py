@@ -209,6 +209,20 @@ VERIFY_MODES = ("full", "header")
 CODEC_DECODERS = ("auto", "cpu", "gpu")
 SWITCH_MS = (0.05, 100.0)
 """The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
+IDLE_WAIT_MS = (0.0, 50.0)
+"""The bounds of ``idle_wait_ms`` (0: never wait)."""
+
+
+def _idle_wait_ms(value: Any, key: str) -> float:
+    """Milliseconds in ``IDLE_WAIT_MS``."""
+    low, high = IDLE_WAIT_MS
+    try:
+        ms = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        ms = None
+    if ms is None or not low <= ms <= high:  # NaN fails too
+        raise InputError(f"{PREFIX}.{key}: expected milliseconds from {low:g} to {high:g}, got {str(value)[:40]!r}")
+    return ms
 
 
 def _key(parse: Callable[[Any, str], Any], default: Any, doc: str, type_name: str) -> Any:
@@ -278,6 +292,10 @@ class PykvConfig:
                                       "leave it (Python's default is 5). pykv's threads issue many short GIL-"
                                       "releasing calls; beside the engine's busy loop each can wait a whole "
                                       "interval for the GIL (docs/configuration.md, \"The GIL\").", "float")
+    idle_wait_ms: float = _key(_idle_wait_ms, 0.0, "On an engine step that runs no model while this worker's "
+                               "loads run, wait up to this long for one to end before vLLM's loop goes round "
+                               "again, leaving the GIL to pykv's threads (docs/configuration.md, \"The GIL\"); "
+                               "0: never wait.", "float")
     store_retry_interval: float = _key(_duration, "60s", "After a store fails at the disk (full, read-only), "
                                        "stores pause this long; one warning per pause.", "duration")
     lookup_deadline: float = _key(_deadline, "1s", "The scheduler waits at most this long for a device to answer a "

@@ -196,6 +196,10 @@ class WorkerCounter(_Documented):
     PRELOAD_BLOCKS_PLANNED = "preload_blocks_planned", "Blocks named in preload plans this worker received."
     FLUSH_WAITS = "flush_waits", "Times vLLM waited for store jobs (``wait``)."
     FLUSH_WAIT_US = "flush_wait_us", "Microseconds vLLM spent in those waits."
+    IDLE_WAITS = ("idle_waits",
+        "Engine steps that ran no model while loads ran, on which the worker waited for a load to end "
+        "(``idle_wait_ms``).")
+    IDLE_WAIT_US = "idle_wait_us", "Microseconds the engine's loop spent in those waits."
     JOBS_IN_FLIGHT = "jobs_in_flight", "Jobs not yet reported to vLLM (a gauge: 0 when idle)."
     LOAD_REPORT_WAIT_US = ("load_report_wait_us",
         "Microseconds from a load job's end to vLLM collecting it (``get_finished``), summed: time a "

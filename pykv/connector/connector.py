@@ -73,21 +73,23 @@ class PykvWorkerMetadata(OffloadingWorkerMetadata):
 
 @dataclass
 class PykvConnectorMetadata(OffloadingConnectorMetadata):
-    """vLLM's scheduler -> worker metadata plus preload instructions.
+    """vLLM's scheduler -> worker metadata plus preload instructions and the step's kind.
 
     ``preloads``: req_id -> block keys to read ahead for that waiting request.
     ``released``: requests whose preloads the worker may drop.
+    ``idle``: the step schedules no tokens (the workers run no model; ``idle_wait_ms``).
     """
 
     preloads: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
+    idle: bool = False
 
     @classmethod
     def wrap(cls, base: OffloadingConnectorMetadata, preloads: dict[str, tuple[bytes, ...]],
-             released: tuple[str, ...]) -> "PykvConnectorMetadata":
+             released: tuple[str, ...], idle: bool = False) -> "PykvConnectorMetadata":
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)
-                  if f.name not in ("preloads", "released")}
-        return cls(**values, preloads=dict(preloads), released=tuple(released))
+                  if f.name not in ("preloads", "released", "idle")}
+        return cls(**values, preloads=dict(preloads), released=tuple(released), idle=idle)
 
 
 class ResetFence:
@@ -169,9 +171,12 @@ class PykvOffloadingConnector(OffloadingConnector):
         return (groups if groups is not None else len(worker.layout.groups)) > 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        meta = compat.bound_metadata(self)
+        worker = self._pykv_worker
+        if worker is not None and isinstance(meta, PykvConnectorMetadata) and meta.idle:
+            worker.wait_idle_step()
         load_jobs = compat.load_job_requests(self.connector_worker) if self.connector_worker else {}
         sending, recving = super().get_finished(finished_req_ids)
-        worker = self._pykv_worker
         if worker is not None and self._request_level_failures():
             for job_id in worker.take_failed_load_jobs():
                 req_id = load_jobs.get(job_id)
@@ -243,13 +248,14 @@ class PykvOffloadingConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
+        if not isinstance(meta, OffloadingConnectorMetadata):
+            return meta
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         manager = self._preload_manager()
-        if manager is None or not isinstance(meta, OffloadingConnectorMetadata):
+        plan = manager.take_preload_plan() if manager is not None else None
+        if not plan and not idle:
             return meta
-        plan = manager.take_preload_plan()
-        if not plan:
-            return meta
-        return PykvConnectorMetadata.wrap(meta, plan.preloads, plan.released)
+        return PykvConnectorMetadata.wrap(meta, plan.preloads if plan else {}, plan.released if plan else (), idle)
 
     # -- preloading: worker side ------------------------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -79,7 +79,9 @@ class PykvWorker(OffloadingWorker):
         if not cuda:
             request_amx_permission()  # before vLLM's AMX attention kernel runs in this process
         self._lock = threading.Lock()
+        self._job_ended = threading.Condition(self._lock)  # notified whenever _finished grows
         self._jobs: dict[int, list[_Chunk]] = {}  # open jobs: their chunks, for the failed blocks at the end
+        self._open_loads: set[int] = set()  # the load jobs among them
         self._finished: list[tuple[TransferResult, list[int], WorkerReport]] = []
         self._load_ended: dict[int, float] = {}  # id() of load results in _finished: when they ended
         self._failed_blocks: set[int] = set()
@@ -122,7 +124,7 @@ class PykvWorker(OffloadingWorker):
             self._finish_now(job_id, load_failed_ids=[int(i) for i in compat.block_ids(dst_spec)],
                              failed_keys=list(src_spec.keys))
             return True
-        self._open(job_id, chunks)
+        self._open(job_id, chunks, load=True)
         self.store.load_blocks(job_id, [self._ref(c, g) for c, g in self._geometries(chunks)],
                                owner=getattr(src_spec, "req_id", None), urgent=expedited)
         return True
@@ -178,6 +180,21 @@ class PykvWorker(OffloadingWorker):
         if finished or in_flight != self._stats_in_flight or time.monotonic() >= self._stats_due:
             self._write_stats()
         return [result for result, _, _ in finished]
+
+    def wait_idle_step(self) -> None:
+        """(An engine step that runs no model.) While this worker's loads run and none has ended
+        unreported, wait up to ``idle_wait_ms`` for a job to end: vLLM's loop would otherwise go round
+        at once, holding the GIL pykv's threads need to finish those loads."""
+        timeout = self.pykv.idle_wait_ms / 1e3
+        if timeout <= 0:
+            return
+        with self._lock:
+            if self._finished or not self._open_loads:
+                return
+            began = time.perf_counter()
+            self._job_ended.wait(timeout)
+        self.counters[WorkerCounter.IDLE_WAITS] += 1
+        self.counters[WorkerCounter.IDLE_WAIT_US] += int((time.perf_counter() - began) * 1e6)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks of failed loads among the jobs returned by ``get_finished`` so far."""
@@ -251,12 +268,14 @@ class PykvWorker(OffloadingWorker):
     def _ref(chunk: _Chunk, geometry) -> BlockRef:
         return BlockRef(chunk.key, geometry, chunk.dram_slot, chunk.resident, target=chunk)
 
-    def _open(self, job_id: int, chunks: list[_Chunk]) -> None:
+    def _open(self, job_id: int, chunks: list[_Chunk], *, load: bool = False) -> None:
         ready = self.copier.mark_submitted()
         for chunk in chunks:
             chunk.ready = ready
         with self._lock:
             self._jobs[job_id] = chunks
+            if load:
+                self._open_loads.add(job_id)
 
     def _refuse_store(self, job_id: int, spec: PykvStoreSpec) -> None:
         """A store this worker does not run: every block failed, and this rank is done with their
@@ -273,6 +292,7 @@ class PykvWorker(OffloadingWorker):
         report.stores_ended = list(stores_ended)
         with self._lock:
             self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
+            self._job_ended.notify_all()
 
     # -- the store's client (reactor, copier or engine thread) ---------------------------------------
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
@@ -289,11 +309,13 @@ class PykvWorker(OffloadingWorker):
         report.stores_ended = [(key, self.rank) for key in release.slots_done]
         with self._lock:
             self._finished.append((TransferResult(release.job, True, release.bytes, release.seconds), [], report))
+            self._job_ended.notify_all()
 
     def job_ended(self, end: JobEnd) -> None:
         report, failed_ids = WorkerReport(), []
         with self._lock:
             chunks = self._jobs.pop(end.job)
+            self._open_loads.discard(end.job)
         if end.kind is Kind.LOAD:
             if end.failures:
                 failed_ids = [int(b) for c in chunks[end.first_failed:] for b in c.gpu_ids]
@@ -311,6 +333,7 @@ class PykvWorker(OffloadingWorker):
                 if end.kind is Kind.LOAD:
                     self._load_ended[id(result)] = time.monotonic()
                     self.counters[WorkerCounter.LOAD_ENDED_NS] = time.time_ns()
+                self._job_ended.notify_all()
         if end.released:
             # An idle engine stops calling get_finished once it has every job, so the end of these
             # writes is written out here (calibrate's settle step waits for it).
