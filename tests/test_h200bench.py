@@ -595,3 +595,11 @@ def test_s1_stripe_variants_parse_names_and_keys_and_refuse_a_bare_name():
     assert stripe_variants(["big:codec=fp8;block_size=512"]) == [("big", {"codec": "fp8", "block_size": 512})]
     with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
         stripe_variants(["fp8"])
+
+
+def test_s1_stripe_queries_may_add_no_keys_but_need_a_name():
+    from h200bench.striping import stripe_variants
+    assert stripe_variants(["n:", "w:idle_wait_ms=2"], option="--stripe-query", empty=True) == [
+        ("n", {}), ("w", {"idle_wait_ms": 2})]
+    with pytest.raises(SystemExit, match="--stripe-query"):
+        stripe_variants([":idle_wait_ms=2"], option="--stripe-query", empty=True)

@@ -114,6 +114,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="stage S1: only pykv's disk hits over the device set, one fill and one query engine per "
                         "variant with its keys added to the defaults (e.g. fp8:codec=fp8); no bandwidth probe, "
                         "no one-device control; repeatable")
+    p.add_argument("--stripe-query", action="append", metavar="NAME:[KEY=VALUE[;KEY=VALUE]]",
+                   help="stage S1 with --stripe-variant: after each variant's fill, one query engine per item "
+                        "(page cache dropped before each) with its load-side keys added to the variant's, "
+                        "labelled VARIANT+NAME (e.g. w:idle_wait_ms=2; an empty item: the variant as it is); "
+                        "repeatable, run in the order given")
     p.add_argument("--mbw-gib", type=float, default=2, help="stage S1: O_DIRECT probe file per device, GiB")
     p.add_argument("--mbw-repeat", type=int, default=2, help="stage S1: passes per O_DIRECT configuration")
     p.add_argument("--tp", type=int, default=2, help="stages T, T1, T2: tensor_parallel_size of the engines")

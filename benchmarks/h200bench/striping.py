@@ -218,15 +218,16 @@ def calibrate(runner, mnts: list[str]) -> None:
 
 
 # -- stages -----------------------------------------------------------------------------------------------
-def stripe_variants(items: list[str]) -> list[tuple[str, dict]]:
+def stripe_variants(items: list[str], *, option: str = "--stripe-variant",
+                    empty: bool = False) -> list[tuple[str, dict]]:
     """``--stripe-variant NAME:KEY=VALUE[;KEY=VALUE]`` items as (variant, keys); a value of digits
-    is an int (vLLM's ``block_size`` must be one)."""
+    is an int (vLLM's ``block_size`` must be one). ``empty``: an item may add no keys."""
     variants = []
     for item in items:
         name, _, pairs = item.partition(":")
         keys = dict(pair.split("=", 1) for pair in pairs.split(";") if "=" in pair)
-        if not name.strip() or not keys:
-            raise SystemExit(f"--stripe-variant {item!r}: expected NAME:KEY=VALUE[;KEY=VALUE]")
+        if not name.strip() or not (keys or empty):
+            raise SystemExit(f"{option} {item!r}: expected NAME:KEY=VALUE[;KEY=VALUE]")
         variants.append((name.strip(), {k.strip(): int(v) if v.strip().isdigit() else v.strip()
                                         for k, v in keys.items()}))
     return variants
@@ -236,11 +237,13 @@ def stage_s1(runner) -> None:
     runner.phase_env()
     mnts = devices(runner)
     variants = stripe_variants(runner.a.stripe_variant or [])
+    queries = stripe_variants(runner.a.stripe_query or [], option="--stripe-query", empty=True)
     try:
         clear(runner, mnts)
         if variants:  # only the disk hits of each variant (issue 38's codecs)
             for variant, keys in variants:
-                pykv_disk_hits(runner, mnts, variant=variant, extra=keys)
+                pykv_disk_hits(runner, mnts, variant=variant, extra=keys,
+                               queries=[(variant + name, query) for name, query in queries] or None)
             return
         aggregate_bandwidth(runner, mnts)
         pykv_disk_hits(runner, mnts)
