@@ -51,3 +51,11 @@ def coded_load(device, stored: bytes, ids, raw: int, params: str, skip: int = 0)
     device.load([CodedLoad(CopyTask(slot, 0, np.asarray(ids), skip), raw, params)], ends)
     [(_, ok, failure)] = ends.wait(1)
     return ok, failure, slot
+
+
+def coded_loads(blocks, raw: int, params: str, skip: int = 0) -> tuple[list[CodedLoad], Ends]:
+    """One ``CodedLoad`` for each (stored bytes, gpu ids) of ``blocks`` (its task's ``token``: its
+    index), and one ``Ends`` for them all."""
+    loads = [CodedLoad(CopyTask(torch.frombuffer(bytearray(stored), dtype=torch.int8), 0, np.asarray(ids), skip,
+                                token=i), raw, params) for i, (stored, ids) in enumerate(blocks)]
+    return loads, Ends()

@@ -179,11 +179,7 @@ def test_the_stream_path_ends_every_block_once_with_the_same_bytes(tensors, fake
 
 
 def _loads(blocks, raw=RAW):
-    """(CodedLoad, Ends) for each (stored bytes, gpu ids) of ``blocks``, one Ends for all."""
-    ends = Ends()
-    loads = [CodedLoad(CopyTask(torch.frombuffer(bytearray(stored), dtype=torch.int8), 0, np.asarray(ids), 0,
-                                token=i), raw, CODEC.params) for i, (stored, ids) in enumerate(blocks)]
-    return loads, ends
+    return device_rig.coded_loads(blocks, raw, CODEC.params)
 
 
 def test_a_step_of_several_loads_writes_each_round_trip_and_fails_only_the_hostile_block(tensors):

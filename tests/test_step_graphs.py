@@ -17,11 +17,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 import device_rig  # noqa: E402
-from device_rig import Ends  # noqa: E402
 
 from pykv.codec.fp8 import Fp8Codec  # noqa: E402
-from pykv.connector.copier import CopyTask, TorchCopier  # noqa: E402
-from pykv.connector.device_codec import CodedLoad, DeviceFp8, _Work  # noqa: E402
+from pykv.connector.copier import TorchCopier  # noqa: E402
+from pykv.connector.device_codec import DeviceFp8, _Work  # noqa: E402
 from pykv.connector.layout import BlockLayout, RefPage  # noqa: E402
 from pykv.connector.step_graphs import StepGraphs  # noqa: E402
 from pykv.failures import Step  # noqa: E402
@@ -72,9 +71,7 @@ def device_with(backend, tensors, step_blocks=3):
 
 def run_step(device, blocks, skip=0):
     """One step of loads ``(stored bytes, gpu ids)``; {index: (ok, failure)}."""
-    ends = Ends()
-    loads = [CodedLoad(CopyTask(torch.frombuffer(bytearray(stored), dtype=torch.int8), 0, np.asarray(ids), skip,
-                                token=i), RAW, CODEC.params) for i, (stored, ids) in enumerate(blocks)]
+    loads, ends = device_rig.coded_loads(blocks, RAW, CODEC.params, skip)
     device._run_now([_Work(False, load, ends) for load in loads])
     return {task.token: (ok, failure) for task, ok, failure in ends.wait(len(blocks))}
 
