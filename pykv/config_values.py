@@ -138,19 +138,29 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
     return parse
 
 
-def _switch_ms(value: Any, key: str) -> float | None:
-    """``keep`` (None) or milliseconds in ``SWITCH_MS``."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "keep"):
-        return None
-    low, high = SWITCH_MS
+def _milliseconds(value: Any, key: str, bounds: tuple[float, float], also: str = "") -> float:
+    """Milliseconds within ``bounds``; ``also``: the other words the key takes (for the message)."""
+    low, high = bounds
     try:
         ms = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
     except ValueError:
         ms = None
     if ms is None or not low <= ms <= high:  # NaN fails too
-        raise InputError(f"{PREFIX}.{key}: expected keep or milliseconds from {low} to {high:g}, "
+        raise InputError(f"{PREFIX}.{key}: expected {also}milliseconds from {low:g} to {high:g}, "
                          f"got {str(value)[:40]!r}")
     return ms
+
+
+def _switch_ms(value: Any, key: str) -> float | None:
+    """``keep`` (None) or milliseconds in ``SWITCH_MS``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "keep"):
+        return None
+    return _milliseconds(value, key, SWITCH_MS, "keep or ")
+
+
+def _idle_wait_ms(value: Any, key: str) -> float:
+    """Milliseconds in ``IDLE_WAIT_MS``."""
+    return _milliseconds(value, key, IDLE_WAIT_MS)
 
 
 def _codec(value: Any, key: str) -> str:
@@ -173,14 +183,3 @@ def _optional_path(value: Any, key: str) -> str | None:
         raise InputError(f"{PREFIX}.{key}: expected a file path, got {value!r}")
     return value
 
-
-def _idle_wait_ms(value: Any, key: str) -> float:
-    """Milliseconds in ``IDLE_WAIT_MS``."""
-    low, high = IDLE_WAIT_MS
-    try:
-        ms = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
-    except ValueError:
-        ms = None
-    if ms is None or not low <= ms <= high:  # NaN fails too
-        raise InputError(f"{PREFIX}.{key}: expected milliseconds from {low:g} to {high:g}, got {str(value)[:40]!r}")
-    return ms
