@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pykv.errors import InputError
+from pykv.preload import PreloadPlan
 
 from pykv.connector import compat, offload_keys
 from pykv.connector.compat import OffloadingConnector, OffloadingConnectorMetadata, OffloadingWorkerMetadata
@@ -252,10 +253,10 @@ class PykvOffloadingConnector(OffloadingConnector):
             return meta
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         manager = self._preload_manager()
-        plan = manager.take_preload_plan() if manager is not None else None
+        plan = manager.take_preload_plan() if manager is not None else PreloadPlan()
         if not plan and not idle:
             return meta
-        return PykvConnectorMetadata.wrap(meta, plan.preloads if plan else {}, plan.released if plan else (), idle)
+        return PykvConnectorMetadata.wrap(meta, plan.preloads, plan.released, idle)
 
     # -- preloading: worker side ------------------------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -291,8 +291,12 @@ class PykvWorker(OffloadingWorker):
         report.failed_loads, report.failed_stores = list(failed_keys), list(failed_stores)
         report.stores_ended = list(stores_ended)
         with self._lock:
-            self._finished.append((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
-            self._job_ended.notify_all()
+            self._post((TransferResult(job_id, True, 0, 0.0), list(load_failed_ids), report))
+
+    def _post(self, entry: tuple[TransferResult, list[int], WorkerReport]) -> None:
+        """(Under ``_lock``.) A job vLLM may now collect; wakes an idle step's wait."""
+        self._finished.append(entry)
+        self._job_ended.notify_all()
 
     # -- the store's client (reactor, copier or engine thread) ---------------------------------------
     def to_slots(self, copies: list[SlotCopy], done: CopyDone) -> None:
@@ -308,8 +312,7 @@ class PykvWorker(OffloadingWorker):
         report.failed_stores = [(key, False) for key in release.unstored]
         report.stores_ended = [(key, self.rank) for key in release.slots_done]
         with self._lock:
-            self._finished.append((TransferResult(release.job, True, release.bytes, release.seconds), [], report))
-            self._job_ended.notify_all()
+            self._post((TransferResult(release.job, True, release.bytes, release.seconds), [], report))
 
     def job_ended(self, end: JobEnd) -> None:
         report, failed_ids = WorkerReport(), []
@@ -329,11 +332,10 @@ class PykvWorker(OffloadingWorker):
                 self._report = self._report.merge(report)
             else:
                 result = TransferResult(end.job, True, end.bytes, end.seconds)
-                self._finished.append((result, failed_ids, report))
+                self._post((result, failed_ids, report))
                 if end.kind is Kind.LOAD:
                     self._load_ended[id(result)] = time.monotonic()
                     self.counters[WorkerCounter.LOAD_ENDED_NS] = time.time_ns()
-                self._job_ended.notify_all()
         if end.released:
             # An idle engine stops calling get_finished once it has every job, so the end of these
             # writes is written out here (calibrate's settle step waits for it).
