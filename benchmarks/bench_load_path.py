@@ -5,8 +5,9 @@
 
 CPU time (all threads of the process) is the figure to compare: it moves less than wall
 time when other work shares the machine. The reactor thread's own CPU is printed beside it: what
-that one thread holds the GIL for (its Python and system calls) while a load runs. What it measures is the per-block work of open, fstat, header check, read, checksum and close
-as the serving path does it (no GPU): the figure to keep when the load path changes.
+that one thread holds the GIL for (its Python and system calls) while a load runs. What it
+measures is the per-block work of open, fstat, header check, read, checksum and close as the
+serving path does it (no GPU): the figure to keep when the load path changes.
 """
 
 from __future__ import annotations
