@@ -18,8 +18,14 @@ from pykv.lanes import LaneCalls
 
 MAX_HOLDERS = 1 << 16
 """Holders remembered for stamps at most (the map starts over beyond it)."""
+STAMP_BATCH = 32
+"""Files stamped per call on a device's thread: one call per file cost a load beside it more than
+the stamps' own system calls (``docs/benchmarks.md``), and a batch this short stays well under
+half the lookup deadline even at a millisecond per stamp (a slow shared mount), so it never
+makes its device look stalled."""
 
 Block = tuple[int, str, bytes]  # (device, namespace id, key)
+StampBatch = tuple[int, tuple[tuple[str, bytes], ...]]  # (device, its (namespace id, key)s)
 
 
 def find_holders(devices: DeviceSet, calls: LaneCalls, blocks: Sequence[tuple[str, bytes]]
@@ -74,24 +80,34 @@ class DiskPresence:
 
     def stamp(self, keys: Sequence[bytes]) -> int:
         """Stamp every rank's file of these keys as used now (gc and eviction recency), on their devices'
-        threads without waiting; a stalled device skips its stamps. Returns how many were queued."""
-        items = []
+        threads without waiting, ``STAMP_BATCH`` files per call; a stalled device skips its stamps.
+        Returns how many files were queued."""
+        per_device: dict[int, list[tuple[str, bytes]]] = {}
         for key in keys:
             for ns in self.namespaces:
                 device = self._holders.get((ns, key))
                 if device is None:
                     device = self.devices.candidates(key)[0]
-                items.append((device, (device, ns, key)))
-        return self.calls.start(self._touch, items)
+                per_device.setdefault(device, []).append((ns, key))
+        queued = 0
+        for device, files in per_device.items():
+            for start in range(0, len(files), STAMP_BATCH):
+                batch = tuple(files[start:start + STAMP_BATCH])
+                queued += len(batch) * self.calls.start(self._stamp_batch, [(device, (device, batch))])
+        return queued
 
     def close(self, timeout: float = 1.0) -> bool:
         return self.calls.close(timeout)
 
     # -- on the devices' threads ----------------------------------------------------------------------
-    def _touch(self, block: Block) -> bool:
-        device, ns, key = block
+    def _stamp_batch(self, batch: StampBatch) -> None:
+        device, files = batch
         tree = self.devices[device]
-        return tree.touch(tree.block_path(ns, key))
+        for ns, key in files:
+            try:
+                tree.stamp(ns, key)
+            except OSError:  # one file's stamp failing (permissions, a racing gc) skips that file only
+                continue
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _remember(self, ns: str, key: bytes, device: int) -> None:

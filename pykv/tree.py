@@ -227,7 +227,7 @@ class KVTree:
             _fsync_directory(final.parent)
         return won
 
-    def touch(self, path: Path) -> bool:
+    def touch(self, path: Path | str) -> bool:
         """Stamp ``path``'s atime with now (mtime kept). False if the file is gone."""
         try:
             st = os.stat(path, follow_symlinks=False)
@@ -235,6 +235,11 @@ class KVTree:
             return True
         except FileNotFoundError:
             return False
+
+    def stamp(self, namespace_id: str, key: bytes) -> bool:
+        """``touch`` the block of a (namespace, key), its path spelled as a string (every disk hit is
+        stamped; pathlib would cost more than the two system calls)."""
+        return self.touch(self._block_name(namespace_id, key))
 
     def quarantine(self, path: Path | str, run: str) -> Path:
         """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.

@@ -306,18 +306,18 @@ def test_disk_hits_are_stamped_in_the_background_after_prepare_load(tmp_path, mo
     on_disk(m, keys)
     release, stamped = threading.Event(), []
     tree = m.devices[0]
-    touch = tree.touch
+    stamp = tree.stamp
 
-    def slow_touch(location):
+    def slow_stamp(ns, key):
         assert release.wait(5)
-        stamped.append(location)
-        return touch(location)
-    monkeypatch.setattr(tree, "touch", slow_touch)
+        stamped.append(key)
+        return stamp(ns, key)
+    monkeypatch.setattr(tree, "stamp", slow_stamp)
     spec = m.prepare_load(keys, ReqContext(req_id="r"))
     assert len(spec.keys) == 20 and stamped == []  # returned before any stamp
     release.set()
     assert m.presence.close(timeout=5)  # the queued stamps run before the threads stop
-    assert sorted(stamped) == sorted(tree.block_path(m.namespace.id, k) for k in keys)
+    assert sorted(stamped) == sorted(keys)
     m.shutdown()
 
 

@@ -169,3 +169,37 @@ def test_a_key_is_on_disk_only_when_every_rank_file_is_and_stamps_touch_the_hold
     assert presence.close(timeout=5)
     for ns, device in ((NS, set_.candidates(key)[2]), (NS1, holder)):
         assert os.stat(set_[device].block_path(ns, key)).st_atime > old + 1000
+
+
+def test_stamps_go_in_short_batches_per_device_and_a_failing_or_missing_file_skips_only_itself(tmp_path,
+                                                                                              monkeypatch):
+    import os
+    from pykv import presence as presence_module
+    set_ = devices(tmp_path, 2)
+    keys = [bytes([i, 2]) * 8 for i in range(100)]
+    for key in keys[:90]:  # the last ten are gone (a racing gc): their stamps find nothing
+        publish(set_[set_.candidates(key)[0]], key)
+    old = time.time() - 3600
+    for key in keys[:90]:
+        os.utime(set_[set_.candidates(key)[0]].block_path(NS, key), (old, old))
+    refused = keys[5]
+    calls, stamp = [], KVTree.stamp
+
+    def stamp_or_refuse(tree, ns, key):
+        if key == refused:
+            raise PermissionError(13, "not the owner")
+        return stamp(tree, ns, key)
+    monkeypatch.setattr(KVTree, "stamp", stamp_or_refuse)
+    presence = DiskPresence(set_, [NS], DEADLINE)
+    batch_of = presence._stamp_batch
+    monkeypatch.setattr(presence, "_stamp_batch", lambda batch: (calls.append(batch), batch_of(batch)))
+    assert presence.stamp(keys) == 100
+    assert presence.close(timeout=5)
+    assert sum(len(files) for _, files in calls) == 100
+    assert all(len(files) <= presence_module.STAMP_BATCH for _, files in calls)
+    assert len(calls) <= 2 + 100 // presence_module.STAMP_BATCH  # batched, not one call per file
+    for device, files in calls:  # each batch went to its files' device
+        assert all(set_.candidates(key)[0] == device for _, key in files)
+    for key in keys[:90]:
+        atime = os.stat(set_[set_.candidates(key)[0]].block_path(NS, key)).st_atime
+        assert (atime < old + 1) if key == refused else (atime > old + 1000), key
