@@ -18,11 +18,11 @@ from pykv.lanes import LaneCalls
 
 MAX_HOLDERS = 1 << 16
 """Holders remembered for stamps at most (the map starts over beyond it)."""
-STAMP_BATCH = 32
-"""Files stamped per call on a device's thread: one call per file cost a load beside it more than
-the stamps' own system calls (``docs/benchmarks.md``), and a batch this short stays well under
-half the lookup deadline even at a millisecond per stamp (a slow shared mount), so it never
-makes its device look stalled."""
+STAMP_BATCH = 8
+"""Files stamped per call on a device's thread: one call per file cost a load beside it twice what
+the stamps' own system calls do (``docs/benchmarks.md``); at a millisecond per stamp (a slow
+shared mount) a batch this short runs under half of a lookup deadline of 16 ms or more, so it
+does not make its device look stalled to the existence checks."""
 
 Block = tuple[int, str, bytes]  # (device, namespace id, key)
 StampBatch = tuple[int, tuple[tuple[str, bytes], ...]]  # (device, its (namespace id, key)s)
