@@ -34,7 +34,7 @@ import xxhash
 
 from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
-from pykv.io.openat2 import enter_directory
+from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, enter_directory, openat2
 from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath, unlink_beneath
 from pykv.namespace import Namespace
 from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
@@ -42,6 +42,10 @@ from pykv.treenames import (  # noqa: F401  (re-exported: callers find a tree's 
     BLOCK_SUFFIX, EVICT_RECORD_NAME, GC_STATE_NAME, HOST, LEASE_NAME, MARKER_NAME, NAMESPACE_FILE, PROBE_NAME,
     QUARANTINE_DIR, ROOT_EXEMPT, ROOT_KEY, ROOT_RULE, SET_NAME, STATE_DIR, TEMP_INFIX, is_hex, is_temp_name,
     is_temp_of, temp_name)
+
+STAMP_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+"""How ``KVTree.stamp`` opens a block: never blocking on a planted FIFO, never through a link."""
+
 
 @dataclass(frozen=True)
 class TreeOptions:
@@ -58,6 +62,7 @@ class KVTree:
     def __init__(self, root: Path | str, options: TreeOptions | None = None) -> None:
         self.root = Path(root)
         self._prefixes: dict[str, str] = {}  # namespace id -> "<root>/<id>/" (``contains``)
+        self._real_prefixes: dict[str, str] = {}  # namespace id -> "<real root>/<id>/" (``stamp``)
         self.options = options or TreeOptions()
         self._identity: str | None = None
 
@@ -146,8 +151,7 @@ class KVTree:
     def _block_name(self, namespace_id: str, key: bytes) -> str:
         """The one place that turns a (namespace, key) into a path, as a string: the scheduler's
         ``contains`` runs for every block of every request, and pathlib costs more than its ``lstat``."""
-        name = key.hex()
-        return f"{self._namespace_prefix(namespace_id)}{name[:2]}/{name[2:4].ljust(2, '0')}/{name}{BLOCK_SUFFIX}"
+        return self._namespace_prefix(namespace_id) + _name_in_namespace(key)
 
     def temp_path(self, final: Path) -> Path:
         """A unique temp name beside ``final`` (host, pid, random)."""
@@ -237,9 +241,28 @@ class KVTree:
             return False
 
     def stamp(self, namespace_id: str, key: bytes) -> bool:
-        """``touch`` the block of a (namespace, key), its path spelled as a string (every disk hit is
-        stamped; pathlib would cost more than the two system calls)."""
-        return self.touch(self._block_name(namespace_id, key))
+        """Stamp the block of a (namespace, key) as used now (atime; mtime kept), as a disk hit
+        does: opened under the tree's real root without following any link (``RESOLVE_NO_SYMLINKS``:
+        a link planted as its namespace or shard directory is never stamped through), a regular
+        file only. False when it is not there, or is no regular file."""
+        prefix = self._real_prefixes.get(namespace_id)
+        if prefix is None:  # links above the root are the admin's; below it none is followed
+            _require_hex(namespace_id, "namespace id")
+            prefix = self._real_prefixes[namespace_id] = os.path.join(os.path.realpath(self.root), namespace_id, "")
+        try:
+            fd = openat2(prefix + _name_in_namespace(key), STAMP_FLAGS, resolve=RESOLVE_NO_SYMLINKS)
+        except OSError as error:
+            if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                return False
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+            return True
+        finally:
+            os.close(fd)
 
     def quarantine(self, path: Path | str, run: str) -> Path:
         """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.
@@ -260,6 +283,12 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
+
+
+def _name_in_namespace(key: bytes) -> str:
+    """A block's path below its namespace directory: two shard levels, then the key's hex name."""
+    name = key.hex()
+    return f"{name[:2]}/{name[2:4].ljust(2, '0')}/{name}{BLOCK_SUFFIX}"
 
 
 def _marker_identity(root: Path) -> tuple[dict, str]:

@@ -209,6 +209,65 @@ def test_touch_missing_file_returns_false(tree):
     assert tree.touch(tree.root / "gone.kv") is False
 
 
+OLD_NS = 1_000_000_000 * 10**9  # 2001
+
+
+def planted_block(tree: KVTree, content: bytes = b"x") -> Path:
+    """The block file of (NS, KEY), its times set to 2001."""
+    path = tree.block_path(NS.id, KEY)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    os.utime(path, ns=(OLD_NS, OLD_NS + 5))
+    return path
+
+
+def test_stamp_sets_a_blocks_atime_to_now_and_keeps_its_mtime_also_below_a_linked_root(tmp_path):
+    real = tmp_path / "real"
+    KVTree.create(real)
+    (tmp_path / "link").symlink_to(real)
+    tree = KVTree.open(tmp_path / "link")  # a link above the root is the admin's: followed
+    path = planted_block(tree)
+    assert tree.stamp(NS.id, KEY) is True
+    st = os.stat(path)
+    assert st.st_mtime_ns == OLD_NS + 5 and st.st_atime_ns > time.time_ns() - 60 * 10**9
+    assert tree.stamp(NS.id, bytes(16)) is False  # not there
+
+
+@pytest.mark.parametrize("planted", ["shard-link", "namespace-link", "block-link"])
+def test_stamp_never_reaches_outside_the_tree_through_a_planted_link(tree, tmp_path, planted):
+    outside = tmp_path / "outside"
+    victim = outside / KEY.hex()[:2] / KEY.hex()[2:4] / tree.block_path(NS.id, KEY).name
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"not pykv's")
+    os.utime(victim, ns=(OLD_NS, OLD_NS))
+    path = tree.block_path(NS.id, KEY)
+    if planted == "namespace-link":
+        path.parents[2].symlink_to(outside)  # <root>/<namespace> -> outside
+    elif planted == "shard-link":
+        path.parents[1].parent.mkdir(parents=True)
+        path.parents[1].symlink_to(outside / KEY.hex()[:2])  # <root>/<namespace>/<ab> -> outside/ab
+    else:
+        path.parent.mkdir(parents=True)
+        path.symlink_to(victim)
+    assert tree.stamp(NS.id, KEY) is False
+    assert os.stat(victim).st_atime_ns == OLD_NS  # untouched
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_stamp_of_a_fifo_or_directory_at_a_block_name_is_false_at_once(tree, kind):
+    path = tree.block_path(NS.id, KEY)
+    path.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(path)  # an open without O_NONBLOCK would wait for a writer forever
+    else:
+        path.mkdir()
+    os.utime(path, ns=(OLD_NS, OLD_NS))
+    began = time.monotonic()
+    assert tree.stamp(NS.id, KEY) is False
+    assert time.monotonic() - began < 5
+    assert os.stat(path).st_atime_ns == OLD_NS
+
+
 # -- modes and namespace description -------------------------------------------------------------
 
 def test_default_modes_are_private(tmp_path):
