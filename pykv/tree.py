@@ -35,7 +35,8 @@ import xxhash
 from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, enter_directory, openat2
-from pykv.io.safe_paths import check_name, directory_fd, read_small, relative_to, rename_beneath, unlink_beneath
+from pykv.io.safe_paths import (check_name, directory_fd, open_beneath, read_small, relative_to, rename_beneath,
+                                 unlink_beneath)
 from pykv.namespace import Namespace
 from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
 from pykv.treenames import (  # noqa: F401  (re-exported: callers find a tree's names here)
@@ -232,19 +233,22 @@ class KVTree:
         return won
 
     def touch(self, path: Path | str) -> bool:
-        """Stamp ``path``'s atime with now (mtime kept). False if the file is gone."""
+        """Stamp a file of the tree (``path``, below the root) as used now: ``stamp``'s rules,
+        opened relative to the root's fd (``open_beneath``). ``UnsafePathError`` for a path
+        outside the root."""
         try:
-            st = os.stat(path, follow_symlinks=False)
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
+            fd = open_beneath(self.root, relative_to(self.root, path), STAMP_FLAGS)
+        except OSError as error:
+            if error.errno in _NOT_STAMPED:
+                return False
+            raise
+        return _stamp_opened(fd)
 
     def stamp(self, namespace_id: str, key: bytes) -> bool:
         """Stamp the block of a (namespace, key) as used now (atime; mtime kept), as a disk hit
         does: opened under the tree's real root without following any link (``RESOLVE_NO_SYMLINKS``:
         a link planted as its namespace or shard directory is never stamped through), a regular
-        file only. False when it is not there, or is no regular file."""
+        file only, through its fd. False when it is not there, or is no regular file."""
         prefix = self._real_prefixes.get(namespace_id)
         if prefix is None:  # links above the root are the admin's; below it none is followed
             _require_hex(namespace_id, "namespace id")
@@ -252,17 +256,10 @@ class KVTree:
         try:
             fd = openat2(prefix + _name_in_namespace(key), STAMP_FLAGS, resolve=RESOLVE_NO_SYMLINKS)
         except OSError as error:
-            if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            if error.errno in _NOT_STAMPED:
                 return False
             raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return False
-            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-            return True
-        finally:
-            os.close(fd)
+        return _stamp_opened(fd)
 
     def quarantine(self, path: Path | str, run: str) -> Path:
         """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.
@@ -283,6 +280,23 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
+
+
+_NOT_STAMPED = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)
+"""Why a stamp's open fails without an error: the file is gone, or a link is in its way."""
+
+
+def _stamp_opened(fd: int) -> bool:
+    """Set the atime of the file open at ``fd`` to now, keeping its mtime, if it is a regular
+    file; closes ``fd``."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        return True
+    finally:
+        os.close(fd)
 
 
 def _name_in_namespace(key: bytes) -> str:

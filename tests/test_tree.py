@@ -250,7 +250,19 @@ def test_stamp_never_reaches_outside_the_tree_through_a_planted_link(tree, tmp_p
         path.parent.mkdir(parents=True)
         path.symlink_to(victim)
     assert tree.stamp(NS.id, KEY) is False
+    assert tree.touch(path) is False  # the same rules by path
     assert os.stat(victim).st_atime_ns == OLD_NS  # untouched
+
+
+def test_touch_refuses_a_path_outside_the_tree(tree, tmp_path):
+    from pykv.io.safe_paths import UnsafePathError
+    outside = tmp_path / "outside.kv"
+    outside.write_bytes(b"x")
+    os.utime(outside, ns=(OLD_NS, OLD_NS))
+    for path in (outside, tree.root / ".." / "outside.kv"):
+        with pytest.raises(UnsafePathError):
+            tree.touch(path)
+    assert os.stat(outside).st_atime_ns == OLD_NS
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
@@ -263,7 +275,7 @@ def test_stamp_of_a_fifo_or_directory_at_a_block_name_is_false_at_once(tree, kin
         path.mkdir()
     os.utime(path, ns=(OLD_NS, OLD_NS))
     began = time.monotonic()
-    assert tree.stamp(NS.id, KEY) is False
+    assert tree.stamp(NS.id, KEY) is False and tree.touch(path) is False
     assert time.monotonic() - began < 5
     assert os.stat(path).st_atime_ns == OLD_NS
 
