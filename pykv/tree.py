@@ -35,8 +35,8 @@ import xxhash
 from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, enter_directory, openat2
-from pykv.io.safe_paths import (check_name, directory_fd, open_beneath, read_small, relative_to, rename_beneath,
-                                 unlink_beneath)
+from pykv.io.safe_paths import (check_name, directory_fd, open_beneath, publish_beneath, read_small, relative_to,
+                                 rename_beneath, unlink_beneath)
 from pykv.namespace import Namespace
 from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
 from pykv.treenames import (  # noqa: F401  (re-exported: callers find a tree's names here)
@@ -220,14 +220,10 @@ class KVTree:
         return prefix
 
     def publish(self, temp: Path, final: Path) -> bool:
-        """Link ``temp`` to ``final`` and unlink ``temp``. False when another writer won."""
-        try:
-            os.link(temp, final)
-            won = True
-        except FileExistsError:
-            won = False
-        finally:
-            _unlink_quietly(temp)
+        """Link ``temp`` to ``final`` (beside it in the tree) and unlink ``temp``, relative to
+        their directory's fd with no link followed (``publish_beneath``). False when another
+        writer won."""
+        won = publish_beneath(self.root, relative_to(self.root, temp), relative_to(self.root, final))
         if won and self.options.fsync:
             _fsync_directory(final.parent)
         return won
@@ -377,13 +373,6 @@ def replace_small(name: str, content: bytes, mode: int, *, dir_fd: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp, dir_fd=dir_fd)
         raise
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _fsync_directory(directory: Path) -> None:

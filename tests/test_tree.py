@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -151,6 +152,40 @@ def test_publish_with_fsync(tmp_path):
     final = tree.block_path(NS.id, KEY)
     assert tree.publish(write_temp(tree, final), final) is True
     assert final.exists()
+
+
+def swap_for_a_link(directory: Path, outside: Path, names: list[str]) -> Path:
+    """The race a publication loses to: ``directory`` (holding a written temp) moved away and a
+    link to ``outside`` put in its place, where files of ``names`` wait (not pykv's)."""
+    outside.mkdir(parents=True)
+    for name in names:
+        (outside / name).write_bytes(b"not pykv's")
+    directory.rename(directory.with_name(directory.name + ".moved"))
+    directory.symlink_to(outside)
+    return outside
+
+
+def test_a_publication_after_its_directory_became_a_link_acts_on_nothing_outside(tree, tmp_path):
+    tree.ensure_namespace(NS)
+    final = tree.block_path(NS.id, KEY)
+    temp = write_temp(tree, final, b"pykv's")
+    outside = swap_for_a_link(final.parent, tmp_path / "outside", [temp.name])
+    with pytest.raises(OSError) as raised:
+        tree.publish(temp, final)
+    assert raised.value.errno == errno.ELOOP
+    assert sorted(p.name for p in outside.iterdir()) == [temp.name]  # no link made there, nothing removed
+    assert (outside / temp.name).read_bytes() == b"not pykv's"
+
+
+def test_abandoning_a_temp_after_its_directory_became_a_link_removes_nothing_outside(tmp_path):
+    from pykv.media import PosixMedium
+    tree = KVTree.create(tmp_path / "tree")
+    tree.ensure_namespace(NS)
+    final = tree.block_path(NS.id, KEY)
+    temp = write_temp(tree, final)
+    outside = swap_for_a_link(final.parent, tmp_path / "outside", [temp.name])
+    PosixMedium(tree, direct=False).abandon(temp)
+    assert (outside / temp.name).read_bytes() == b"not pykv's"
 
 
 def test_contains(tree):

@@ -105,6 +105,26 @@ def unlink_beneath(root: str | Path, relative: str | Path) -> None:
         os.unlink(name, dir_fd=fd)
 
 
+def publish_beneath(root: str | Path, temp: str | Path, final: str | Path) -> bool:
+    """Hard-link ``temp`` to ``final`` (one directory below ``root``) and unlink ``temp``, both
+    relative to that directory's fd: nothing is followed, so a directory swapped for a link after
+    the temp was written fails here (``ELOOP``) instead of linking or unlinking elsewhere. False
+    when ``final`` exists (another writer won); ``temp`` is gone either way."""
+    parent, temp_name = _split(temp)
+    final_parent, final_name = _split(final)
+    if parent != final_parent:
+        raise UnsafePathError(errno.EXDEV, "a temp and its final name in different directories", os.fspath(final))
+    with directory_fd(root, parent) as fd:
+        try:
+            os.link(temp_name, final_name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp_name, dir_fd=fd)
+
+
 def rename_beneath(root: str | Path, source: str | Path, destination: str | Path, *, dir_mode: int) -> None:
     """Rename ``source`` to ``destination``, both below ``root``; missing directories above
     ``destination`` are made with ``dir_mode``. Nothing on either side is followed."""

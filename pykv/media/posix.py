@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS
+from pykv.io.safe_paths import relative_to, unlink_beneath
 from pykv.media.base import Medium, OpenSpec, WriteTarget
 from pykv.tree import KVTree
 
@@ -78,8 +79,8 @@ class PosixMedium(Medium):
 
     def abandon(self, temp: Path) -> None:
         try:
-            os.unlink(temp)
-        except OSError:
+            unlink_beneath(self.tree.root, relative_to(self.tree.root, temp))
+        except OSError:  # gone already, or a link planted in its way: nothing outside is removed
             pass
 
     def quarantine(self, location: Path, run: str) -> Path:
