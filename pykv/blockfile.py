@@ -15,7 +15,7 @@ import xxhash
 from pykv.auth import AuthStatus, KeyRing, sign, verdict
 from pykv.codec.base import Codec
 from pykv.errors import ChecksumError, FormatError
-from pykv.io.safe_paths import OpenedFile, open_regular
+from pykv.io.safe_paths import OpenedFile, open_beneath, open_regular, relative_to, unlink_beneath
 from pykv.format import (HEADER_SIZE, BlockHeader, Geometry, TruncatedError, build_header, check_file_size, decode_header,
                          encode_header, padded, verify_payload)
 from pykv.format_codec import NONE
@@ -131,7 +131,8 @@ def write_block(tree: KVTree, namespace_id: str, key: bytes, geometry: Geometry,
     tree.ensure_parent(final)
     temp = tree.temp_path(final)
     data = encode_block(bytes.fromhex(namespace_id), key, geometry, payload, keys=keys, codec=codec)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, tree.options.file_mode)
+    relative = relative_to(tree.root, temp)
+    fd = open_beneath(tree.root, relative, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, tree.options.file_mode)
     try:
         remaining = memoryview(data)
         while remaining:  # os.write may write less than asked (signal, nearly full disk)
@@ -140,7 +141,7 @@ def write_block(tree: KVTree, namespace_id: str, key: bytes, geometry: Geometry,
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        os.unlink(temp)
+        unlink_beneath(tree.root, relative)
         raise
     os.close(fd)
     return tree.publish(temp, final)
