@@ -1,6 +1,7 @@
 """What a disk hit's access stamps cost the load they run beside: a reactor load of N blocks from a
 memory-backed tree, alone, beside N stamps made one call per file on the devices' threads (the
-shape before session 36), and beside ``DiskPresence.stamp`` (``STAMP_BATCH`` files per call).
+shape before session 36: ``stat`` and ``utime`` of a pathlib path), and beside ``DiskPresence.stamp``
+(``STAMP_BATCH`` files per call, each opened beneath the root: ``KVTree.stamp``).
 
     python benchmarks/bench_stamps.py [--blocks 320] [--devices 8] [--rounds 60] [--dir /dev/shm]
 
@@ -12,6 +13,7 @@ quartiles over the rounds (the three shapes alternate); no GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -57,9 +59,11 @@ def main() -> None:
         presence = DiskPresence(device_set, [NS], deadline=5.0)
         per_file = LaneCalls(args.devices, 5.0)
 
-        def stamp_one(item: tuple[int, bytes]) -> bool:
+        def stamp_one(item: tuple[int, bytes]) -> None:  # the stamp as it was: by path, through pathlib
             device, key = item
-            return device_set[device].touch(device_set[device].block_path(NS, key))
+            path = device_set[device].block_path(NS, key)
+            os.utime(path, ns=(time.time_ns(), os.stat(path, follow_symlinks=False).st_mtime_ns),
+                     follow_symlinks=False)
 
         shapes = {
             "alone": lambda: None,
