@@ -117,7 +117,7 @@ class PykvConfig:
                                       "leave it (Python's default is 5). pykv's threads issue many short GIL-"
                                       "releasing calls; beside the engine's busy loop each can wait a whole "
                                       "interval for the GIL (docs/configuration.md, \"The GIL\").", "float")
-    idle_wait_ms: float = _key(_idle_wait_ms, 0.0, "On an engine step that runs no model while this worker's "
+    idle_wait_ms: float = _key(_idle_wait_ms, 10.0, "On an engine step that runs no model while this worker's "
                                "loads run, wait up to this long for one to end before vLLM's loop goes round "
                                "again, leaving the GIL to pykv's threads (docs/configuration.md, \"The GIL\"); "
                                "0: never wait.", "float")

@@ -95,11 +95,13 @@ def test_no_wait_while_an_ended_load_is_not_yet_collected(rig):
     assert worker.counters["idle_waits"] == 0
 
 
-def test_no_wait_by_default(rig):
-    manager, worker, _ = rig()
+def test_ten_ms_by_default_and_zero_never_waits(rig):
+    assert PykvConfig.from_extra_config({"root": "/tmp"}).idle_wait_ms == 10  # run 27: on by default
+    manager, worker, _ = rig(idle_wait_ms=0)
     assert worker.pykv.idle_wait_ms == 0
     _, release = stored_then_held_load(manager, worker, salt=44)
-    assert timed_wait(worker) < 0.02
+    assert timed_wait(worker) < 0.005
+    assert worker.counters["idle_waits"] == 0
     release()
     run(worker, 2)
 
