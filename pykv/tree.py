@@ -150,8 +150,9 @@ class KVTree:
         return Path(self._block_name(namespace_id, key))
 
     def _block_name(self, namespace_id: str, key: bytes) -> str:
-        """The one place that turns a (namespace, key) into a path, as a string: the scheduler's
-        ``contains`` runs for every block of every request, and pathlib costs more than its ``lstat``."""
+        """A (namespace, key)'s path as a string (below the namespace: ``_name_in_namespace``, which
+        ``stamp`` shares): the scheduler's ``contains`` runs for every block of every request, and
+        pathlib costs more than its ``lstat``."""
         return self._namespace_prefix(namespace_id) + _name_in_namespace(key)
 
     def temp_path(self, final: Path) -> Path:
