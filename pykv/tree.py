@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import secrets
@@ -35,7 +36,7 @@ import xxhash
 from pykv.errors import NotATreeError
 from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, enter_directory, openat2
-from pykv.io.safe_paths import (check_name, directory_fd, open_beneath, publish_beneath, read_small, relative_to,
+from pykv.io.safe_paths import (check_name, components, directory_fd, publish_beneath, read_small, relative_to,
                                  rename_beneath, unlink_beneath)
 from pykv.namespace import Namespace
 from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
@@ -63,7 +64,6 @@ class KVTree:
     def __init__(self, root: Path | str, options: TreeOptions | None = None) -> None:
         self.root = Path(root)
         self._prefixes: dict[str, str] = {}  # namespace id -> "<root>/<id>/" (``contains``)
-        self._real_prefixes: dict[str, str] = {}  # namespace id -> "<real root>/<id>/" (``stamp``)
         self.options = options or TreeOptions()
         self._identity: str | None = None
 
@@ -229,34 +229,42 @@ class KVTree:
             _fsync_directory(final.parent)
         return won
 
+    @functools.cached_property
+    def real_root_prefix(self) -> str:
+        """The root with the links above it resolved, and a trailing ``/``: those links are the
+        admin's; below it the serving path follows none (``RESOLVE_NO_SYMLINKS``)."""
+        return os.path.join(os.path.realpath(self.root), "")
+
     def touch(self, path: Path | str) -> bool:
-        """Stamp a file of the tree (``path``, below the root) as used now: ``stamp``'s rules,
-        opened relative to the root's fd (``open_beneath``). ``UnsafePathError`` for a path
-        outside the root."""
-        try:
-            fd = open_beneath(self.root, relative_to(self.root, path), STAMP_FLAGS)
-        except OSError as error:
-            if error.errno in _NOT_STAMPED:
-                return False
-            raise
-        return _stamp_opened(fd)
+        """``stamp`` a file of the tree by its path (below the root; ``UnsafePathError`` for one
+        outside it or through ``..``)."""
+        return self._stamp_below_root("/".join(components(relative_to(self.root, path))))
 
     def stamp(self, namespace_id: str, key: bytes) -> bool:
         """Stamp the block of a (namespace, key) as used now (atime; mtime kept), as a disk hit
-        does: opened under the tree's real root without following any link (``RESOLVE_NO_SYMLINKS``:
-        a link planted as its namespace or shard directory is never stamped through), a regular
-        file only, through its fd. False when it is not there, or is no regular file."""
-        prefix = self._real_prefixes.get(namespace_id)
-        if prefix is None:  # links above the root are the admin's; below it none is followed
-            _require_hex(namespace_id, "namespace id")
-            prefix = self._real_prefixes[namespace_id] = os.path.join(os.path.realpath(self.root), namespace_id, "")
+        does: ``_stamp_below_root``."""
+        _require_hex(namespace_id, "namespace id")
+        return self._stamp_below_root(f"{namespace_id}/{_name_in_namespace(key)}")
+
+    def _stamp_below_root(self, relative: str) -> bool:
+        """Open ``relative`` under the real root without following any link (a link planted as a
+        namespace or shard directory, or at the name, is never stamped through) and without
+        blocking (a FIFO), and stamp it through its fd if it is a regular file. False when it is
+        not there, a link is in its way, or it is no regular file."""
         try:
-            fd = openat2(prefix + _name_in_namespace(key), STAMP_FLAGS, resolve=RESOLVE_NO_SYMLINKS)
+            fd = openat2(self.real_root_prefix + relative, STAMP_FLAGS, resolve=RESOLVE_NO_SYMLINKS)
         except OSError as error:
-            if error.errno in _NOT_STAMPED:
+            if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 return False
             raise
-        return _stamp_opened(fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+            return True
+        finally:
+            os.close(fd)
 
     def quarantine(self, path: Path | str, run: str) -> Path:
         """Move ``path`` (inside the tree) to ``.pykv/quarantine/<run>/<its relative path>``.
@@ -277,23 +285,6 @@ class KVTree:
             for entry in entries:
                 if is_hex(entry.name) and entry.is_dir(follow_symlinks=False):
                     yield Path(entry.path)
-
-
-_NOT_STAMPED = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)
-"""Why a stamp's open fails without an error: the file is gone, or a link is in its way."""
-
-
-def _stamp_opened(fd: int) -> bool:
-    """Set the atime of the file open at ``fd`` to now, keeping its mtime, if it is a regular
-    file; closes ``fd``."""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-        return True
-    finally:
-        os.close(fd)
 
 
 def _name_in_namespace(key: bytes) -> str:

@@ -35,7 +35,7 @@ class PosixMedium(Medium):
         self.tree = tree
         self._direct = os.O_DIRECT if direct else 0
         self._root_prefix = os.path.join(os.fspath(tree.root), "")
-        self._real_root_prefix = os.path.join(os.path.realpath(tree.root), "")  # symlinks above the root are fine
+        self._real_root_prefix = tree.real_root_prefix  # resolved once, now
 
     @property
     def opens_direct(self) -> bool:
