@@ -25,7 +25,8 @@ from typing import Sequence
 
 from pykv.errors import MembershipError
 from pykv.io.safe_paths import directory_fd, open_regular
-from pykv.tree import SET_NAME, STATE_DIR, KVTree, is_hex, replace_small
+from pykv.io.small_files import replace_small
+from pykv.tree import SET_NAME, STATE_DIR, KVTree, is_hex
 
 log = logging.getLogger(__name__)
 

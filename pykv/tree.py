@@ -38,6 +38,7 @@ from pykv.format import FORMAT_VERSION
 from pykv.io.openat2 import RESOLVE_NO_SYMLINKS, enter_directory, openat2
 from pykv.io.safe_paths import (check_name, components, directory_fd, publish_beneath, read_small, relative_to,
                                  rename_beneath, unlink_beneath)
+from pykv.io.small_files import publish_small, write_small
 from pykv.namespace import Namespace
 from pykv.roots import refuse_if_occupied, refuse_inside_tree, require_root
 from pykv.treenames import (  # noqa: F401  (re-exported: callers find a tree's names here)
@@ -166,16 +167,8 @@ class KVTree:
         with directory_fd(self.root, namespace.id, create_mode=self.options.dir_mode) as fd:
             if _exists_at(fd, NAMESPACE_FILE):
                 return directory
-            temp = temp_name(NAMESPACE_FILE)
             data = {"id": namespace.id, **namespace.describe()}
-            write_small(temp, json.dumps(data, indent=2).encode(), self.options.file_mode, dir_fd=fd)
-            try:
-                os.link(temp, NAMESPACE_FILE, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-            except FileExistsError:
-                pass
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temp, dir_fd=fd)
+            publish_small(NAMESPACE_FILE, json.dumps(data, indent=2).encode(), self.options.file_mode, dir_fd=fd)
         return directory
 
     def ensure_parent(self, path: Path) -> None:
@@ -335,36 +328,6 @@ def _exists_at(directory: int, name: str) -> bool:
 def _require_hex(value: str, what: str) -> None:
     if not is_hex(value):
         raise ValueError(f"{what} must be lowercase hex, got {value!r}")
-
-
-def write_small(path: Path | str, content: bytes, mode: int, *, dir_fd: int | None = None) -> None:
-    """Create ``path`` (never an existing file or link) holding ``content``, synced; on any
-    failure (a full disk) the partial file is removed again, so no temp is left behind."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
-    try:
-        remaining = memoryview(content)
-        while remaining:
-            remaining = remaining[os.write(fd, remaining):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path, dir_fd=dir_fd)
-        raise
-    os.close(fd)
-
-
-def replace_small(name: str, content: bytes, mode: int, *, dir_fd: int) -> None:
-    """Replace ``name`` in the directory ``dir_fd`` atomically with ``content`` (a synced temp beside
-    it, renamed over it); the temp is removed again when either step fails (a full disk)."""
-    temp = temp_name(name)
-    write_small(temp, content, mode, dir_fd=dir_fd)
-    try:
-        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp, dir_fd=dir_fd)
-        raise
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from pykv.io.safe_paths import directory_fd
+from pykv.io.small_files import replace_small
 from pykv.maintenance.lease import (CLOCK_SKEW_S, MAX_TERM_S, StateDefect, StateFault, quarantine_state_file,
                                     read_state_file)
-from pykv.tree import EVICT_RECORD_NAME, HOST, STATE_DIR, KVTree, replace_small
+from pykv.tree import EVICT_RECORD_NAME, HOST, STATE_DIR, KVTree
 from pykv.units import format_size
 
 RECORD_LIMIT = 4096  # a record is ~300 bytes; anything larger is not one

@@ -53,10 +53,11 @@ from pykv.blockfile import check_block
 from pykv.deviceset import DeviceSet
 from pykv.errors import FormatError, InputError, UnsafePathError
 from pykv.io.safe_paths import directory_fd, read_small, relative_to, unlink_beneath
+from pykv.io.small_files import replace_small
 from pykv.maintenance.catalog import scan_tree
 from pykv.maintenance.placement import device_shares
 from pykv.maintenance.scan import Entry, Kind, allocated_size, clamp_times, collector_paused
-from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree, replace_small
+from pykv.tree import GC_STATE_NAME, STATE_DIR, KVTree
 from pykv.units import MAX_DURATION_S, MAX_SIZE
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,8 @@ from typing import Callable
 
 from pykv.errors import UnsafePathError
 from pykv.io.safe_paths import directory_fd, open_regular, rename_beneath
-from pykv.tree import HOST, LEASE_NAME, QUARANTINE_DIR, STATE_DIR, KVTree, replace_small, temp_name, write_small
+from pykv.io.small_files import publish_small, replace_small
+from pykv.tree import HOST, LEASE_NAME, QUARANTINE_DIR, STATE_DIR, KVTree, temp_name
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +177,8 @@ class Lease:
     def _publish(self, fd: int) -> bool:
         """Link a fresh lease to the lease's name: True if this holder won it."""
         raw, expires_at = self._content()
-        temp = temp_name(LEASE_NAME)
-        write_small(temp, raw, self.tree.options.file_mode, dir_fd=fd)
-        try:
-            os.link(temp, LEASE_NAME, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-        except FileExistsError:
+        if not publish_small(LEASE_NAME, raw, self.tree.options.file_mode, dir_fd=fd):
             return False
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=fd)
         self._raw, self._expires_at = raw, expires_at
         return True
 
