@@ -1,14 +1,13 @@
-"""Small state files written whole: the lease, ``evict.json``, ``gc.json``, ``set.json``, markers.
+"""Small state files written whole: the lease, ``evict.json``, ``gc.json``, ``set.json``, ``namespace.json``.
 
-``write_small`` creates a file that holds all of its bytes, synced, before its name appears:
-on a local file system known to keep an ``O_TMPFILE`` file once it is linked (ext2/3/4, XFS,
-btrfs, tmpfs, f2fs) the bytes go into an unnamed file in the target directory, which is
-linked to its name once synced; a process killed while it writes or syncs leaves nothing
-behind. (JuiceFS accepts ``O_TMPFILE`` and the link, then drops the file when its fd
-closes: every other file system gets a named file.) That matters because vLLM's
-multiprocess engine core can be killed at shutdown before it calls the connector's hook, so
-an evictor round in progress dies with it (docs/reliability.md, "Eviction"). Elsewhere (FUSE, NFS, overlayfs), or without ``/proc``, the file is created under its
-name and written there; a temp a kill leaves then is ``pykv fsck``'s.
+A file's bytes are written and synced before its name appears. On a local file system known to
+keep a linked ``O_TMPFILE`` file (ext2/3/4, XFS, btrfs, tmpfs, f2fs) they go into an unnamed file
+in the target directory, linked to its name once synced, so a process killed meanwhile leaves
+nothing; vLLM's multiprocess engine core is often killed at shutdown before it calls the
+connector's hook, mid eviction round (docs/reliability.md, "An engine killed mid-round").
+Elsewhere (FUSE, NFS, overlayfs; JuiceFS takes ``O_TMPFILE`` and the link, then drops the file
+when its fd closes), or without ``/proc``, the file is written under a name, and a temp that a
+kill leaves is ``pykv fsck``'s.
 """
 
 from __future__ import annotations
