@@ -288,9 +288,9 @@ class PykvManager(OffloadingManager):
 
     def shutdown(self) -> None:
         """vLLM's hook at engine shutdown (``OffloadingManager.shutdown``; idempotent): the evictor
-        finishes a round in progress, which releases its lease and removes its temps, and stops.
-        Without it the daemon thread dies with the process mid-round: a lease temp is left for
-        ``pykv fsck`` and the lease blocks other engines' eviction until it expires."""
+        finishes a round in progress, which releases its lease, and stops. vLLM's multiprocess
+        engine core is often killed before it calls this; a round killed with it leaves its lease
+        until expiry and, on local file systems, no temp (``pykv.io.small_files``)."""
         if self.evictor is not None:
             self.evictor.close()
         self.presence.close()
