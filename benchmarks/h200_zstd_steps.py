@@ -3,9 +3,10 @@
 The engine's lossless loads run ~10 GB/s of KV outside vLLM (``h200_zstd_check.py``) and the
 8-device target needs ~22. This times each part of a step on its own, with CUDA events, for
 several zstd chunk sizes (the codec's ``chunk``: 1 MiB by default, 2 frames each) and blocks per
-step: the host's frame walk (the table and every frame header read, as ``_decode_step`` does),
-the stored bytes' copy to the device, zeroing the rows, nvCOMP's batched decode (``sized`` mode,
-its batch built per step), and three ways to merge the byte planes into values (the engine's
+step: the host's layout (every table and frame header read: ``device_zstd.step_layout``, the
+engine's), the stored bytes' copy to the device, zeroing the rows, nvCOMP's batched decode in
+each of ``--modes`` (``sized``: the Python API, an object per frame; ``batched``: the C API, one
+table per step; host time of the call and device time apart), and three ways to merge the byte planes into values (the engine's
 transposed copy; two strided copies; int16 arithmetic), each checked against the source KV.
 Prints GB/s of KV per part and one JSON line per (chunk, step) to ``--out``.
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from pykv.codec.lossless import PlanesZstdCodec
+from pykv.connector.device_zstd import step_layout
 from pykv.connector.zstd_frames import HostFrames, NvcompFrames
 
 BLOCK = 28 * 65_536 * 16  # the 3B shape's storage block: 29.4 MB of bf16 KV
@@ -57,29 +59,6 @@ class Clock:
         return self.seconds
 
 
-def frame_walk(codec: PlanesZstdCodec, stored: list[np.ndarray], raw: int):
-    """What ``_decode_step`` reads on the host: each block's table and frame headers. Returns the
-    spans of the step's stored bytes packed in one buffer (offset, length, where in the rows: -1
-    for a frame), the frames (offset in that buffer, length) and their outputs (offset in the rows,
-    length), and the buffer's length."""
-    spans, frames, outputs, packed = [], [], [], 0
-    half = raw // 2
-    for row, host in enumerate(stored):
-        for start, size, planes in codec.plane_spans(host, raw):
-            for plane, (position, length) in enumerate(planes):
-                into = row * raw + plane * half + start // 2
-                if length == size // 2:
-                    spans.append((row, position, packed, length, into))  # a raw plane
-                else:
-                    codec.check_frame(host[position:position + length], size // 2)
-                    spans.append((row, position, packed, length, -1))
-                    frames.append((packed, length))
-                    outputs.append((into, size // 2))
-                packed += length
-    return (spans, np.array(frames, dtype=np.int64).reshape(-1, 2), np.array(outputs, dtype=np.int64).reshape(-1, 2),
-            packed)
-
-
 def merges(rows: torch.Tensor, count: int, raw: int) -> dict[str, callable]:
     """Three ways to turn rows (plane 0 then plane 1 of each block) into little-endian values."""
     planes = rows.view(count, 2, raw // 2)
@@ -100,39 +79,55 @@ def merges(rows: torch.Tensor, count: int, raw: int) -> dict[str, callable]:
 
 
 def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: int, device: torch.device,
-        decoder) -> dict:
+        decoders: dict) -> dict:
+    """Each step: the host's layout (``step_layout``, as the engine's), all stored bytes to the
+    device in one copy, then per decoder: rows zeroed, raw planes copied, the frames decoded, the
+    rows merged (each merge, after the last decoder) and checked against the source KV."""
     blocks = len(stored)
-    clock, walk_s, call_s, frames_total, wrong = Clock(device), 0.0, 0.0, 0, {}
+    clock, walk_s, frames_total, wrong = Clock(device), 0.0, 0, {}
+    calls = dict.fromkeys(decoders, 0.0)
     for first in range(0, blocks, step):
         group = stored[first:first + step]
         count = len(group)
         began = time.perf_counter()
-        spans, frames, outputs, packed = frame_walk(codec, group, BLOCK)
+        layout = step_layout(codec, group, BLOCK)
         walk_s += time.perf_counter() - began
-        frames_total += len(frames)
-        packed_host = torch.empty(packed, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        for row, position, at, length, _ in spans:  # (the engine packs nothing: one batched copy call)
-            packed_host[at:at + length] = torch.from_numpy(group[row][position:position + length])
-        source = torch.empty(packed, dtype=torch.uint8, device=device)
+        frames_total += len(layout.frames)
+        raw_bytes = int(layout.moves[layout.moves[:, 2] == 1, 4].sum())
+        packed_host = torch.empty(layout.packed + raw_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        raw_planes, at = [], layout.packed  # (the engine packs nothing: one batched copy call)
+        for row, position, kind, to, length in layout.moves.tolist():
+            piece = torch.from_numpy(group[row][position:position + length])
+            if kind == 0:
+                packed_host[to:to + length] = piece
+            else:
+                packed_host[at:at + length] = piece
+                raw_planes.append((at, length, to))
+                at += length
+        source = torch.empty(packed_host.numel(), dtype=torch.uint8, device=device)
         rows = torch.empty(count * BLOCK, dtype=torch.uint8, device=device)
         clock.part("h2d_all_stored", lambda: source.copy_(packed_host, non_blocking=True))
-        clock.part("zero_rows", rows.zero_)
-        raw_planes = [(at, length, into) for _, _, at, length, into in spans if into >= 0]
-        clock.part("raw_planes_d2d", lambda: [rows[into:into + length].copy_(source[at:at + length])
-                                              for at, length, into in raw_planes])
-        began = time.perf_counter()
-        clock.part("nvcomp", lambda: decoder.decode(source, frames, rows, outputs))
-        call_s += time.perf_counter() - began
-        ways, out = merges(rows, count, BLOCK)
         want = torch.from_numpy(kv[first:first + count]).to(device)
-        for name, way in ways.items():
-            out.zero_()
-            clock.part(name, way)
-            clock.settle()
-            wrong[name] = wrong.get(name, 0) + int((out != want).any(dim=1).sum())
+        ways, out = merges(rows, count, BLOCK)
+        for name, decoder in decoders.items():
+            clock.part("zero_rows", rows.zero_)
+            clock.part("raw_planes_d2d", lambda: [rows[into:into + length].copy_(source[at:at + length])
+                                                  for at, length, into in raw_planes])
+            began = time.perf_counter()
+            clock.part(f"decode_{name}", lambda: decoder.decode(source, layout.frames, rows, layout.outputs))
+            calls[name] += time.perf_counter() - began
+            for merge, way in ways.items():
+                if merge != "merge_transposed" and name != list(decoders)[-1]:
+                    continue
+                out.zero_()
+                clock.part(merge if merge != "merge_transposed" else f"{merge}_{name}", way)
+                clock.settle()
+                key = f"{merge}_{name}" if merge == "merge_transposed" else merge
+                wrong[key] = wrong.get(key, 0) + int((out != want).any(dim=1).sum())
     seconds = clock.settle()
     kv_bytes = blocks * BLOCK
-    return {"frames": frames_total, "host_walk_s": round(walk_s, 4), "host_decode_call_s": round(call_s, 4),
+    return {"frames": frames_total, "host_walk_s": round(walk_s, 4),
+            **{f"host_decode_call_s_{name}": round(s, 4) for name, s in calls.items()},
             **{f"{name}_gbps_of_kv": round(kv_bytes / s / 1e9, 1) for name, s in seconds.items() if s > 0},
             "wrong_blocks": wrong}
 
@@ -142,6 +137,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=24, help="storage blocks of 29.4 MB")
     parser.add_argument("--chunk-kib", default="1024,256,64", help="comma list of the codec's chunk sizes")
     parser.add_argument("--steps", default="3,8,24", help="comma list of blocks per step")
+    parser.add_argument("--modes", default="sized,batched", help="nvCOMP modes timed (zstd_frames.NvcompFrames)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke test of this script (zstandard on the host)")
     args = parser.parse_args()
@@ -156,14 +152,15 @@ def main() -> None:
             buffer = np.empty(codec.encoded_bound(BLOCK), dtype=np.uint8)
             stored.append(buffer[:codec.encode(block, buffer)])
         ratio = round(sum(len(s) for s in stored) / kv.size, 4)
-        decoder = HostFrames(codec) if args.cpu else NvcompFrames(device, None)
-        if not args.cpu:
-            decoder.mode = "sized"
+        decoders = {"host": HostFrames(codec)} if args.cpu else {}
+        for mode in ([] if args.cpu else args.modes.split(",")):
+            decoders[mode] = NvcompFrames(device, None)
+            decoders[mode].mode = mode
         for step in (int(x) for x in args.steps.split(",")):
             record = {"kind": "zstd_steps", "chunk": chunk, "ratio": ratio, "step_blocks": step, "blocks": args.blocks,
                       "device": torch.cuda.get_device_name() if not args.cpu else "cpu"}
             try:
-                record.update(run(stored, codec, kv, step, device, decoder))
+                record.update(run(stored, codec, kv, step, device, decoders))
             except Exception as exc:  # noqa: BLE001 - reported; the next setting runs
                 record["error"] = f"{type(exc).__name__}: {exc}"[:600]
             print(json.dumps(record), flush=True)

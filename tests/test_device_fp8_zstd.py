@@ -196,7 +196,9 @@ def test_the_stream_path_ends_every_load_once(tensors, fake_cuda):
 
 @pytest.mark.parametrize("mode", NvcompFrames.modes)
 def test_loads_through_nvcomp_are_fp8s_round_trip_in_every_mode(tensors, monkeypatch, mode):
+    import fake_libnvcomp
     _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True))
+    fake_libnvcomp.install(monkeypatch, fake_libnvcomp.fake_library())
     frames = NvcompFrames(torch.device("cpu"), None)
     frames.mode = mode
     stored = CODEC.encode(payload_of(kv_tensors(6), [0, 1]))

@@ -483,7 +483,9 @@ def test_a_step_of_several_loads_through_nvcomp_is_bit_exact_in_every_mode(tenso
     into the planes scratch, one decoder call), mixed whole and partial chunks: each block's rows
     get exactly its payload's pages."""
     from pykv.connector.device_codec import _Work
+    import fake_libnvcomp
     _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True))
+    fake_libnvcomp.install(monkeypatch, fake_libnvcomp.fake_library())
     frames = NvcompFrames(torch.device("cpu"), None)
     device = decoder(tensors, frames, step_blocks=4)
     frames.mode = mode

@@ -21,6 +21,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -28,11 +29,23 @@ import zstandard
 
 from pykv.codec import planes
 from pykv.codec.base import Buffer, Codec, CodecError, byte_view
+from pykv.codec.zstd_headers import declared_sizes
 
 _LENGTH = struct.Struct("<I")
 FORMAT_REVISION = 1
 MAX_CHUNK = 1 << 30
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class PlaneTable:
+    """A stored payload's table: per chunk its start and plane length (raw bytes / ``elem``),
+    per chunk and plane the stored bytes' position and length (int64 arrays)."""
+
+    starts: np.ndarray
+    plane_lengths: np.ndarray
+    positions: np.ndarray
+    lengths: np.ndarray
 
 
 class PlanesZstdCodec(Codec):
@@ -108,32 +121,39 @@ class PlanesZstdCodec(Codec):
         out = np.frombuffer(target, dtype=np.uint8)
         self._map(lambda job: self._decode_chunk(stored, out, *job), jobs)
 
-    def plane_spans(self, stored: Buffer, payload_len: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        """``(start, size, [(position, length) of each plane])`` of every chunk of a payload of
-        ``payload_len`` bytes stored as ``stored``: its table read and checked (a plane's stored
-        length equal to the plane's is raw, a smaller one a zstd frame); ``CodecError`` for a
-        table that does not account for exactly the stored bytes. The GPU decoder reads it too."""
+    def plane_table(self, stored: Buffer, payload_len: int) -> PlaneTable:
+        """The table of a payload of ``payload_len`` bytes stored as ``stored``, read and checked
+        at once (numpy): a plane's stored length equal to the plane's is raw, a smaller one a zstd
+        frame; ``CodecError`` for a longer or empty one, or a table that does not account for
+        exactly the stored bytes. The chunk count comes from ``payload_len`` (trusted)."""
         stored = byte_view(stored)
-        chunks = self._chunks(payload_len)
-        table = self._table_bytes(len(chunks))
+        if payload_len % self.elem:
+            self._chunks(payload_len)  # raises: not whole values
+        count = -(-payload_len // self.chunk)
+        table = self._table_bytes(count)
         if len(stored) < table:
             raise CodecError(self.name, f"{len(stored)} stored bytes cannot hold the {table}-byte table")
-        lengths = struct.unpack_from(f"<{table // _LENGTH.size}I", stored)
-        jobs, position = [], table
-        for index, (start, size) in enumerate(chunks):
-            plane_len = size // self.elem
-            spans = []
-            for plane in range(self.elem):
-                length = lengths[index * self.elem + plane]
-                if length > plane_len or length == 0 < plane_len:
-                    raise CodecError(self.name, f"chunk {index} plane {plane}: {length} stored bytes "
-                                                f"for a {plane_len}-byte plane")
-                spans.append((position, length))
-                position += length
-            jobs.append((start, size, spans))
-        if position != len(stored):
-            raise CodecError(self.name, f"table accounts for {position} bytes, {len(stored)} stored")
-        return jobs
+        starts = np.arange(count, dtype=np.int64) * self.chunk
+        plane_lengths = (np.minimum(self.chunk, payload_len - starts) // self.elem)[:, None]
+        lengths = np.frombuffer(stored, dtype="<u4", count=count * self.elem).astype(np.int64).reshape(count, self.elem)
+        wrong = (lengths > plane_lengths) | ((lengths == 0) & (plane_lengths > 0))
+        if wrong.any():
+            index, plane = (int(i) for i in np.argwhere(wrong)[0])
+            raise CodecError(self.name, f"chunk {index} plane {plane}: {lengths[index, plane]} stored bytes "
+                                        f"for a {plane_lengths[index, 0]}-byte plane")
+        ends = table + np.cumsum(lengths.ravel())
+        if (ends[-1] if ends.size else table) != len(stored):
+            raise CodecError(self.name, f"table accounts for {ends[-1] if ends.size else table} bytes, "
+                                        f"{len(stored)} stored")
+        return PlaneTable(starts, plane_lengths[:, 0], (ends - lengths.ravel()).reshape(lengths.shape), lengths)
+
+    def plane_spans(self, stored: Buffer, payload_len: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """``(start, size, [(position, length) of each plane])`` of every chunk: ``plane_table``'s
+        rows (the CPU decoder's jobs)."""
+        table = self.plane_table(stored, payload_len)
+        return [(start, plane * self.elem, list(zip(positions, lengths)))
+                for start, plane, positions, lengths in zip(table.starts.tolist(), table.plane_lengths.tolist(),
+                                                             table.positions.tolist(), table.lengths.tolist())]
 
     def check_frame(self, frame: Buffer, plane_len: int) -> None:
         """``CodecError`` unless ``frame`` is a zstd frame header declaring exactly ``plane_len``
@@ -144,6 +164,19 @@ class PlanesZstdCodec(Codec):
             raise CodecError(self.name, f"bad zstd frame header: {error}") from None
         if declared != plane_len:
             raise CodecError(self.name, f"zstd frame declares {declared} bytes, the plane has {plane_len}")
+
+    def check_frames(self, stored: np.ndarray, positions: np.ndarray, lengths: np.ndarray,
+                     plane_lengths: np.ndarray) -> None:
+        """``check_frame`` for many frames of ``stored`` at once (``zstd_headers``: stricter than
+        zstd where a header has a dictionary id or a window pykv never writes): ``CodecError``
+        naming the first that fails."""
+        wrong = np.flatnonzero(declared_sizes(stored, positions, lengths) != plane_lengths)
+        if wrong.size:
+            first = int(wrong[0])
+            position, length = int(positions[first]), int(lengths[first])
+            self.check_frame(stored[position:position + length], int(plane_lengths[first]))
+            raise CodecError(self.name, "zstd frame header with a dictionary, a reserved bit or a window pykv "
+                                        "never writes")
 
     def _decode_chunk(self, stored: memoryview, out: np.ndarray, start: int, size: int,
                       spans: list[tuple[int, int]]) -> None:

@@ -20,6 +20,7 @@ zeros, never an earlier step's bytes. ``planes-zstd`` stores are encoded on the 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import logging
 import time
 from typing import Sequence
@@ -167,40 +168,62 @@ class DeviceZstdFrames(DeviceCodec):
         the KV blocks: a few torch calls per step, none per frame (``pykv.gil``). A frame
         decoder's bad flag fails every load of the step."""
         count, raw = len(loads), loads[0].raw_length
-        row_length, elem = self._row_length(raw), self.layer.elem
-        plane_length = row_length // elem
+        row_length = self._row_length(raw)
         slots = [load.task.payload for load in loads]
-        moves: list[tuple[int, int, int, int, int]] = []  # (slot, at, 0 stored | 1 rows, to, length)
-        frames: list[tuple[int, int]] = []  # (offset in the stored scratch, length)
-        outputs: list[tuple[int, int]] = []  # (offset in the rows scratch, length)
-        packed = 0
-        for row, slot in enumerate(slots):
-            host = slot.numpy().view(np.uint8)  # the page-locked slot: read in place
-            for start, size, spans in self.layer.plane_spans(host, row_length):
-                for plane, (position, length) in enumerate(spans):
-                    into = row * row_length + plane * plane_length + start // elem
-                    if length == size // elem:
-                        moves.append((row, position, 1, into, length))
-                        continue
-                    self.layer.check_frame(host[position:position + length], size // elem)
-                    moves.append((row, position, 0, packed, length))
-                    frames.append((packed, length))
-                    outputs.append((into, size // elem))
-                    packed += length
+        layout = step_layout(self.layer, [slot.numpy().view(np.uint8) for slot in slots], row_length)
         rows = self._rows[:count * row_length]
         rows.zero_()  # a frame nvCOMP leaves short shows zeros, never an earlier step's bytes
-        kept = self.copier.copy_ranges(slots, (self._stored, self._rows), np.array(moves, dtype=np.int64),
+        kept = self.copier.copy_ranges(slots, (self._stored, self._rows), layout.moves,
                                        source_in_order=False)
         calling = time.perf_counter()
-        if frames:
-            bad, decoding = self.frames.decode(self._stored, np.array(frames, dtype=np.int64), self._rows,
-                                               np.array(outputs, dtype=np.int64))
+        if len(layout.frames):
+            bad, decoding = self.frames.decode(self._stored, layout.frames, self._rows, layout.outputs)
         else:
             bad, decoding = torch.zeros((), dtype=torch.bool, device=self.device), None
         self.stats["codec_frames_us"] += int((time.perf_counter() - calling) * 1e6)
         payloads = self.payload[:count * raw].view(torch.uint8).view(count, raw)
         bad_rows = self._from_rows(rows.view(count, row_length), payloads)
         return bad_rows | bad.reshape(1), (self._into_kv_rows(loads), kept, decoding)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's stored bytes go (int64 arrays): ``moves`` rows ``(slot, at, 0 stored scratch
+    | 1 rows, to, length)``, one per plane of each chunk of each block, in stored order; ``frames``
+    ``(offset in the stored scratch, length)`` and ``outputs`` ``(offset in the rows, length)``,
+    one per zstd frame; ``packed``: the stored scratch's bytes in use."""
+
+    moves: np.ndarray
+    frames: np.ndarray
+    outputs: np.ndarray
+    packed: int
+
+
+def step_layout(layer: PlanesZstdCodec, hosts: Sequence[np.ndarray], row_length: int) -> StepLayout:
+    """The layout of a step whose blocks' stored bytes are ``hosts`` (read in place), each
+    decoding to a row of ``row_length`` bytes (plane ``p`` of chunk ``c`` at ``p`` planes + the
+    chunk's start / ``elem``): every table and frame header read and checked at once per block
+    (``plane_table``, ``check_frames``), what the CPU decoder would refuse refused the same way
+    (``CodecError``), no Python call per frame."""
+    elem = layer.elem
+    plane_length = row_length // elem
+    moves, frames, outputs, packed = [], [], [], 0
+    for row, host in enumerate(hosts):
+        table = layer.plane_table(host, row_length)
+        into = row * row_length + np.arange(elem) * plane_length + (table.starts // elem)[:, None]
+        expected = np.broadcast_to(table.plane_lengths[:, None], table.lengths.shape)
+        coded = (table.lengths != expected).ravel()
+        lengths, positions = table.lengths.ravel(), table.positions.ravel()
+        layer.check_frames(host, positions[coded], lengths[coded], expected.ravel()[coded])
+        coded_lengths = np.where(coded, lengths, 0)
+        packed_at = packed + np.cumsum(coded_lengths) - coded_lengths
+        moves.append(np.stack([np.full_like(lengths, row), positions, (~coded).astype(np.int64),
+                               np.where(coded, packed_at, into.ravel()), lengths], axis=1))
+        frames.append(np.stack([packed_at[coded], lengths[coded]], axis=1))
+        outputs.append(np.stack([into.ravel()[coded], expected.ravel()[coded]], axis=1))
+        packed += int(coded_lengths.sum())
+    return StepLayout(*(np.concatenate(parts).reshape(-1, width).astype(np.int64)
+                        for parts, width in ((moves, 5), (frames, 2), (outputs, 2))), packed)
 
 
 class DevicePlanesZstd(DeviceZstdFrames):

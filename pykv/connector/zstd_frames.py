@@ -19,6 +19,8 @@ from pykv.codec.base import CodecError
 from pykv.codec.lossless import PlanesZstdCodec
 from pykv.errors import InputError
 
+from pykv.connector.nvcomp_batched import BatchedZstd
+
 
 def lying_frame(declared: int, holding: int) -> bytes:
     """A zstd frame whose header declares ``declared`` bytes but whose blocks hold ``holding``:
@@ -81,14 +83,15 @@ class DeviceBytes:
 class NvcompFrames:
     """nvCOMP's batched zstd decoder for standard frames (``BitstreamKind.RAW``) on ``stream``.
     ``InputError`` (one line) where nvCOMP is not installed or does not load. ``mode`` (chosen by
-    the start check): ``sized`` decodes into the outputs with a decompression config built from
+    the start check): ``batched`` calls nvCOMP's C API once per step with a device table of the
+    frames, each frame's decoded length checked on the device (``nvcomp_batched``); ``sized`` decodes into the outputs with a decompression config built from
     their sizes (nvCOMP neither reads the headers back nor synchronizes the stream); ``into``
     decodes straight into the outputs (``out=``: no allocation per frame, no copy; nvCOMP reads
     the headers, synchronizing the stream); ``copy`` into nvCOMP's own arrays, each checked for
     its size, then all copied in one ``_foreach_copy_``. Frames and outputs go to nvCOMP as ``DeviceBytes``, or, in the
     ``-slices`` modes (where nvCOMP refuses those), as torch slices."""
 
-    modes = ("sized", "into", "sized-slices", "into-slices", "copy")
+    modes = ("batched", "sized", "into", "sized-slices", "into-slices", "copy")
     mode = "copy"  # until the start check chooses
     _CONFIGS = 64  # decompression configs kept, by the step's tuple of plane sizes
 
@@ -102,7 +105,9 @@ class NvcompFrames:
             raise InputError(f"codec_decode=gpu needs nvCOMP (pip install nvidia-nvcomp-cu12 or -cu13, as torch's "
                              f"CUDA): {type(exc).__name__}: {exc}") from None
         self._nvcomp = nvcomp
+        self._device = device
         self._configs: dict[tuple[int, ...], object] = {}
+        self._batched: BatchedZstd | None = None
 
     def _config(self, sizes: tuple[int, ...]) -> object:
         config = self._configs.get(sizes)
@@ -125,6 +130,10 @@ class NvcompFrames:
 
     def decode(self, source: torch.Tensor, frames: np.ndarray, target: torch.Tensor,
                outputs: np.ndarray) -> tuple[torch.Tensor, object]:
+        if self.mode == "batched":
+            if self._batched is None:
+                self._batched = BatchedZstd(self._device)
+            return self._batched.decode(source, frames, target, outputs)
         arrays = self._arrays(source, frames)
         bad = torch.zeros((), dtype=torch.bool, device=target.device)
         if self.mode != "copy":
