@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pykv.errors import InputError
 from pykv.tiers import EVICTION_POLICIES
-from pykv.config_values import (PREFIX, _bool, _choice, _codec, _deadline, _duration, _idle_wait_ms, _int_range,
+from pykv.config_values import (PREFIX, _bool, _choice, _codec, _codec_chunk, _deadline, _duration, _idle_wait_ms, _int_range,
                                 _interval, _margin, _mode, _optional_path, _positive_int, _root, _roots, _segment,
                                 _size, _staging, _switch_ms, _threads_or_auto)
 
@@ -104,6 +104,10 @@ class PykvConfig:
     codec_threads: int | None = _key(_threads_or_auto, "auto", "Threads that encode stores and decode loads "
                                      "with planes-zstd, and fp8-zstd's zstd layer (one scratch block each, plus 2; fp8 runs on the GPU). auto: "
                                      "half the host's cores, 2 to 8.", "int")
+    codec_chunk: int | None = _key(_codec_chunk, "auto", "Bytes per zstd chunk of planes-zstd and fp8-zstd (a "
+                                   "multiple of 4 KiB, 16 KiB to 64 MiB; each chunk's planes are frames of their own, "
+                                   "and nvCOMP decodes a step's frames in parallel); part of the codec's parameters, "
+                                   "so of the namespace. auto: 1 MiB (planes-zstd), 256 KiB (fp8-zstd).", "size")
     codec_decode: str = _key(_choice(*CODEC_DECODERS), "auto", "Where planes-zstd loads (fp8-zstd's frames) are decoded: "
                              "cpu (the codec threads; fp8-zstd: its zstd layer there, fp8 on the GPU), gpu (nvCOMP on the KV's GPU; the engine "
                              "refuses to start without it) or auto (gpu where nvCOMP is installed and passes its start "
@@ -212,7 +216,7 @@ class PykvConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("staging_bytes", "verify_threads", "codec_threads") and value is None:
+            if f.name in ("staging_bytes", "verify_threads", "codec_threads", "codec_chunk") and value is None:
                 value = "auto"
             if f.name == "gil_switch_ms" and value is None:
                 value = "keep"

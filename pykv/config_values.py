@@ -17,6 +17,8 @@ SWITCH_MS = (0.05, 100.0)
 """The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
 IDLE_WAIT_MS = (0.0, 50.0)
 """The bounds of ``idle_wait_ms`` (0: never wait)."""
+CODEC_CHUNK = (16 << 10, 64 << 20, 4 << 10)
+"""``codec_chunk``: the least and most bytes per zstd chunk, and the multiple it must be."""
 
 
 def _size(value: Any, key: str) -> int:
@@ -29,6 +31,16 @@ def _is_auto(value: Any) -> bool:
 
 def _staging(value: Any, key: str) -> int | None:
     return None if _is_auto(value) else _size(value, key)
+
+
+def _codec_chunk(value: Any, key: str) -> int | None:
+    if _is_auto(value):
+        return None
+    chunk, (least, most, multiple) = _size(value, key), CODEC_CHUNK
+    if not least <= chunk <= most or chunk % multiple:
+        raise InputError(f"{PREFIX}.{key}: {chunk} bytes; a multiple of {multiple >> 10} KiB from {least >> 10} KiB "
+                         f"to {most >> 20} MiB, or auto")
+    return chunk
 
 
 def _threads_or_auto(value: Any, key: str) -> int | None:

@@ -84,20 +84,24 @@ def check_stored(path: object, params: str, stored: int, raw: int) -> None:
 
 @lru_cache(maxsize=16)
 def codec_from_params(params: str) -> Codec | None:
-    """The codec whose ``params`` are exactly ``params``, if this pykv can build it (the
-    registry's ``planes-zstd``; ``fp8`` and ``fp8-zstd`` of any dtype and group they encode, when torch is
-    installed); else None."""
+    """The codec whose ``params`` are exactly ``params``, if this pykv can build it (``planes-zstd``
+    and ``fp8-zstd`` of any chunk ``codec_chunk`` allows, ``fp8`` and ``fp8-zstd`` of any dtype
+    and group they encode, when torch is installed); else None."""
     from pykv.codec.registry import codec_for
+    from pykv.config_values import CODEC_CHUNK
     name, _, settings = params.partition(":")
-    if name == "planes-zstd":
-        codec = codec_for(name)
-    elif name in ("fp8", "fp8-zstd"):
-        try:
-            fields = dict(item.partition("=")[::2] for item in settings.split(","))
-            codec = codec_for(name, dtype=fields["dtype"], group=int(fields["group"]))
-        except (ImportError, KeyError, ValueError, PykvError):
-            return None
-    else:
+    if name not in ("planes-zstd", "fp8", "fp8-zstd"):
+        return None
+    fields = dict(item.partition("=")[::2] for item in settings.split(","))
+    try:
+        chunk = int(fields["chunk"]) if "chunk" in fields and len(fields["chunk"]) <= 12 else None
+        if chunk is not None and not (CODEC_CHUNK[0] <= chunk <= CODEC_CHUNK[1] and chunk % CODEC_CHUNK[2] == 0):
+            chunk = None  # a chunk pykv never writes: the default's params cannot match it
+        if name == "planes-zstd":
+            codec = codec_for(name, chunk=chunk)
+        else:
+            codec = codec_for(name, dtype=fields["dtype"], group=int(fields["group"]), chunk=chunk)
+    except (ImportError, KeyError, ValueError, PykvError):
         return None
     return codec if codec.params == params else None
 

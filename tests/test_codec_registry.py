@@ -64,3 +64,34 @@ def test_identity_stores_the_payload_and_checks_the_length():
         codec.decode(payload[:-1], bytearray(len(payload)))
     with pytest.raises(TypeError, match="read-only"):
         codec.decode(payload, payload)
+
+
+def test_codec_chunk_sets_the_zstd_codecs_chunk_and_their_namespace():
+    """``codec_chunk`` is one of the zstd codecs' parameters (so of the namespace); the default is
+    each codec's own; ``none`` and ``fp8`` ignore it; the format reads blocks of any chunk the key
+    allows back to the same codec, and of none it refuses."""
+    from pykv.config import PykvConfig
+    from pykv.connector.codecs import engine_codec
+    from pykv.format_codec import codec_from_params
+
+    assert codec_for("planes-zstd").params.endswith("chunk=1048576")
+    assert codec_for("planes-zstd", chunk=65536).params.endswith("chunk=65536")
+    assert codec_for("fp8-zstd", chunk=65536).params.endswith("chunk=65536")
+    config = PykvConfig.from_extra_config({"root": "/tmp", "codec": "planes-zstd", "codec_chunk": "256KiB"})
+    assert config.codec_chunk == 1 << 18 and engine_codec(config).params.endswith("chunk=262144")
+    assert PykvConfig.from_extra_config({"root": "/tmp", "codec": "none", "codec_chunk": "64K"}).codec_chunk == 65536
+    for chunk in (16 << 10, 1 << 18, 64 << 20):
+        for name in ("planes-zstd", "fp8-zstd"):
+            params = codec_for(name, chunk=chunk).params
+            assert codec_from_params(params).params == params
+    planes = codec_for("planes-zstd").params
+    for chunk in ("4096", "12288", "16385", str(128 << 20), "-16384", "9" * 40, "0x4000", ""):
+        assert codec_from_params(planes.replace("chunk=1048576", f"chunk={chunk}")) is None
+
+
+@pytest.mark.parametrize("value", ["8K", "20000", "128M", "0", "-16K", "lots"])
+def test_a_codec_chunk_outside_the_allowed_sizes_is_refused_in_one_line(value):
+    from pykv.config import PykvConfig
+    with pytest.raises(InputError) as refused:
+        PykvConfig.from_extra_config({"root": "/tmp", "codec": "planes-zstd", "codec_chunk": value})
+    assert "codec_chunk" in str(refused.value) and "\n" not in str(refused.value)

@@ -9,15 +9,18 @@ CODEC_NAMES = ("none", "planes-zstd", "fp8", "fp8-zstd")
 """Configuration names, in the order docs/codecs.md describes them."""
 
 
-def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, threads: int = 1) -> Codec:
+def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, threads: int = 1,
+              chunk: int | None = None) -> Codec:
     """The codec configured as ``name``. ``dtype`` (``bfloat16`` or ``float16``) and ``group``
-    are what the lossy ``fp8`` codecs need to know of the KV; ``threads`` only changes speed.
-    Raise ``UnknownCodecError`` (one line) for any other name, or a dtype fp8 does not encode."""
+    are what the lossy ``fp8`` codecs need to know of the KV; ``chunk``: the zstd codecs' bytes
+    per chunk (None: their own default); ``threads`` only changes speed. Raise
+    ``UnknownCodecError`` (one line) for any other name, or a dtype fp8 does not encode."""
+    sized = {} if chunk is None else {"chunk": chunk}
     if name == "none":
         return IdentityCodec()
     if name == "planes-zstd":
         from pykv.codec.lossless import PlanesZstdCodec
-        return PlanesZstdCodec(threads=threads)
+        return PlanesZstdCodec(threads=threads, **sized)
     if name == "fp8":
         from pykv.codec.fp8 import DEFAULT_GROUP, Fp8Codec
         try:
@@ -28,7 +31,7 @@ def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, t
         from pykv.codec.fp8 import DEFAULT_GROUP
         from pykv.codec.fp8_zstd import Fp8ZstdCodec
         try:
-            return Fp8ZstdCodec(dtype, DEFAULT_GROUP if group is None else group, threads=threads)
+            return Fp8ZstdCodec(dtype, DEFAULT_GROUP if group is None else group, threads=threads, **sized)
         except ValueError as exc:
             raise UnknownCodecError(f"codec 'fp8-zstd': {exc}") from None
     raise UnknownCodecError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES)})")

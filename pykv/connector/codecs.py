@@ -24,13 +24,13 @@ def engine_codec(pykv: PykvConfig, kv_dtype: object = "bfloat16") -> Codec:
     speed). ``kv_dtype``: the KV cache's dtype as vLLM names it (``OffloadingConfig.model.dtype``);
     ``fp8`` encodes bfloat16 and float16 KV only (``InputError`` for any other)."""
     if pykv.codec not in FP8_CODECS:
-        return codec_for(pykv.codec)
+        return codec_for(pykv.codec, chunk=pykv.codec_chunk)
     from pykv.codec.fp8 import kv_dtype_name
     dtype = kv_dtype_name(kv_dtype)
     if dtype is None:
         raise InputError(f"{PREFIX}.codec: {pykv.codec} encodes bfloat16 or float16 KV; this engine's KV cache "
                          f"is {kv_dtype} (see docs/codecs.md)")
-    return codec_for(pykv.codec, dtype=dtype)
+    return codec_for(pykv.codec, dtype=dtype, chunk=pykv.codec_chunk)
 
 
 def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengths: list[int]) -> DeviceCodec | None:
