@@ -97,7 +97,7 @@ class BatchedZstd:
     def _reserve(self, count: int, largest: int, total: int, stream: int) -> None:
         if count > self._capacity:
             self._capacity = max(count, 2 * self._capacity)
-            self._table = torch.empty((4, self._capacity), dtype=torch.int64, device=self.device)
+            self._table = torch.empty(4 * self._capacity, dtype=torch.int64, device=self.device)
             self._decoded = torch.empty(self._capacity, dtype=torch.int64, device=self.device)
             self._statuses = torch.empty(self._capacity, dtype=torch.int32, device=self.device)
         needed = _SIZE()
@@ -123,7 +123,7 @@ class BatchedZstd:
         with self._lock:
             self._reserve(count, int(table[2].max()), int(table[2].sum()), stream)
             host = torch.from_numpy(table).pin_memory() if self.device.type == "cuda" else torch.from_numpy(table)
-            device_table = self._table[:, :count]
+            device_table = self._table[:4 * count].view(4, count)  # contiguous: one plain copy
             device_table.copy_(host, non_blocking=True)  # the page-locked copy lives until the stream passes it
             temp_at = -self._temp.data_ptr() % self._temp_alignment
             temp = self._temp[temp_at:]
