@@ -20,31 +20,27 @@ WINDOW_LOG_MAX = 27
 """The largest window (log2 bytes) zstd's decoder accepts unless told otherwise."""
 
 
+_FIELD_MASKS = np.array([[byte < size for byte in range(8)] for size in range(9)])
+"""Row ``n``: the first ``n`` of a content size field's 8 gathered bytes are its own."""
+
+
 def declared_sizes(stored: np.ndarray, positions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The content size declared by each frame of ``lengths[i]`` bytes at ``positions[i]`` of the
     uint8 array ``stored`` (frames inside it: the caller's table says so), or -1 (int64)."""
     positions = np.asarray(positions, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
-    if positions.size == 0:
-        return np.empty(0, dtype=np.int64)
-    offsets = np.arange(HEADER_MAX)
-    inside = offsets < lengths[:, None]
-    at = np.minimum(positions[:, None] + offsets, max(len(stored) - 1, 0))
-    head = np.where(inside, stored[at] if len(stored) else 0, 0).astype(np.uint64)
-    magic = head[:, 0] | head[:, 1] << 8 | head[:, 2] << 16 | head[:, 3] << 24
-    descriptor = head[:, 4]
+    if positions.size == 0 or len(stored) == 0:
+        return np.full(positions.size, -1, dtype=np.int64)
+    last = len(stored) - 1  # bytes past a frame's end are read only where its header cannot fit
+    head = stored[np.minimum(positions[:, None] + np.arange(HEADER_MAX), last)]
+    magic = np.ascontiguousarray(head[:, :4]).view("<u4")[:, 0]
+    descriptor = head[:, 4].astype(np.int64)
     single = (descriptor >> 5) & 1
-    size_bytes = np.where(descriptor >> 6 == 0, single, np.uint64(1) << (descriptor >> 6)).astype(np.int64)
-    start = 6 - single.astype(np.int64)  # after the window byte, absent in a single-segment frame
-    window_log = (head[:, 5] >> 3) + 10
+    size_bytes = np.where(descriptor >> 6 == 0, single, 1 << (descriptor >> 6))
+    start = 6 - single  # after the window byte, absent in a single-segment frame
     sound = ((magic == MAGIC) & (descriptor & 0x0B == 0) & (size_bytes > 0) & (lengths >= start + size_bytes)
-             & ((single == 1) | (window_log <= WINDOW_LOG_MAX)))
-    columns = np.minimum(start[:, None] + np.arange(8), HEADER_MAX - 1)
-    field = np.take_along_axis(head, columns, axis=1)
-    field = np.where(np.arange(8) < size_bytes[:, None], field, 0)
-    value = np.zeros(len(positions), dtype=np.uint64)
-    for byte in range(8):
-        value |= field[:, byte] << np.uint64(8 * byte)
-    value = value + np.where(size_bytes == 2, np.uint64(256), np.uint64(0))
+             & ((single == 1) | ((head[:, 5] >> 3) + 10 <= WINDOW_LOG_MAX)))
+    field = np.take_along_axis(head, start[:, None] + np.arange(8), axis=1) * _FIELD_MASKS[size_bytes]
+    value = field.view("<u8")[:, 0] + np.where(size_bytes == 2, 256, 0).astype(np.uint64)
     sound &= value < np.uint64(1 << 62)
     return np.where(sound, value.astype(np.int64), -1)
