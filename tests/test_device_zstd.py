@@ -335,10 +335,11 @@ def _install_fake(monkeypatch, fake) -> None:
 @pytest.mark.parametrize("into", [False, True])
 def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, monkeypatch, into):
     """Into the planes (``out=``) where nvCOMP takes it and refuses a short frame, else into its
-    own arrays and copied; either way one batch per call and bit-exact loads."""
+    own arrays and copied (under a MAC: ``copy`` is not kept without one); either way one batch
+    per call and bit-exact loads."""
     _install_fake(monkeypatch, _fake_nvcomp(into=into))
     frames = NvcompFrames(torch.device("cpu"), None)
-    device = decoder(kv_tensors(1), frames)
+    device = decoder(kv_tensors(1), frames, authenticated=not into)
     device.self_test()
     assert frames.mode == ("into" if into else "copy")
     payload = payload_of(tensors, [3, 4])
@@ -353,13 +354,18 @@ def test_the_nvcomp_frame_decoder_passes_one_batch_and_loads_bit_exact(tensors, 
 
 def test_out_that_accepts_a_lying_frame_is_not_used_unchecked(tensors, monkeypatch):
     """nvCOMP taking ``out=`` but decoding a short frame without an error (its tail stale), and
-    no checksum verified before decoding (verify=header): the start check keeps the copying mode,
-    whose size check refuses that frame."""
+    no checksum verified before decoding (verify=header): not kept; nor is the copying mode, whose
+    size check refuses that frame, without a MAC (its outputs are nvCOMP's, out of the check's
+    sight); with one it is kept."""
     _install_fake(monkeypatch, _fake_nvcomp(into=True, lenient="into"))
+    device = decoder(kv_tensors(1), NvcompFrames(torch.device("cpu"), None), checked=False)
+    with pytest.raises(InputError, match="into: a frame holding fewer.*copy: decodes into nvCOMP's own buffers"):
+        device.self_test()
+    device.close()
     frames = NvcompFrames(torch.device("cpu"), None)
-    device = decoder(kv_tensors(1), frames, checked=False)
+    device = decoder(kv_tensors(1), frames, checked=False, authenticated=True)
     device.self_test()
-    assert frames.mode == "copy"
+    assert frames.mode == "copy" and not device.lax_frames
     device.close()
 
 
@@ -579,14 +585,14 @@ def test_device_codec_for_tells_the_decoder_whether_stored_bytes_are_checked(mon
 
 def test_a_decoder_writing_past_a_lying_frames_plane_is_kept_only_with_a_mac(tensors, monkeypatch):
     """nvCOMP 6.0 as the H100 showed it (run 23): every mode that decodes into given outputs writes
-    all of a frame holding more bytes than it declares. Checked by a checksum only, the start check
-    falls back to ``copy``; with a MAC (no stored bytes but pykv's own reach the decoder) it keeps
+    all of a frame holding more bytes than it declares. Checked by a checksum only, no mode is kept
+    (``copy`` decodes into nvCOMP's own buffers, where such a write is unseen); with a MAC (no stored bytes but pykv's own reach the decoder) it keeps
     the first mode, and loads stay bit-exact."""
     _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True, lenient="both", overrun=True))
     checksummed = NvcompFrames(torch.device("cpu"), None)
     device = decoder(kv_tensors(1), checksummed)
-    device.self_test()
-    assert checksummed.mode == "copy" and not device.overrunning
+    with pytest.raises(InputError, match="copy: decodes into nvCOMP's own buffers"):
+        device.self_test()  # nor the copy mode: its outputs are nvCOMP's, out of the check's sight
     device.close()
     authenticated = NvcompFrames(torch.device("cpu"), None)
     device = decoder(kv_tensors(1), authenticated, authenticated=True)

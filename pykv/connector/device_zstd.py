@@ -108,7 +108,12 @@ class DeviceZstdFrames(DeviceCodec):
 
     def _unfit(self) -> str | None:
         """Why the frame decoder cannot be trusted with hostile frames, or None (``lax_frames``:
-        whether it decoded a lying frame without an error, inside its plane)."""
+        whether it decoded a lying frame without an error, inside its plane). A mode decoding into
+        buffers nvCOMP allocates (``unseen_modes``) is trusted only where ``authenticated``: a
+        write past those lies beyond this check's guards."""
+        if getattr(self.frames, "mode", None) in getattr(self.frames, "unseen_modes", ()) and not self.authenticated:
+            return ("decodes into nvCOMP's own buffers, where a frame holding more bytes than it declares could "
+                    "write unseen (kept only with auth_key_file: a MAC over the stored bytes)")
         plane = (np.arange(1 << 16) % 251).astype(np.uint8)
         good = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(plane.tobytes())
         lying = {how: lying_frame(plane.size, plane.size + change) for how, change in (("fewer", -4096),

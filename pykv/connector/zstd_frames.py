@@ -92,6 +92,7 @@ class NvcompFrames:
     ``-slices`` modes (where nvCOMP refuses those), as torch slices."""
 
     modes = ("batched", "sized", "into", "sized-slices", "into-slices", "copy")
+    unseen_modes = ("copy",)  # outputs nvCOMP allocates: a write past them is out of the start check's sight
     mode = "copy"  # until the start check chooses
     _CONFIGS = 64  # decompression configs kept, by the step's tuple of plane sizes
 
