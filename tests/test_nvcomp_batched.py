@@ -172,3 +172,26 @@ def test_step_tables_come_from_the_frames_offsets(monkeypatch):
     for plane, slot in zip(planes, order):
         assert bytes(target[3000 * slot:3000 * (slot + 1)].numpy()) == plane
     assert ctypes.sizeof(ctypes.c_size_t) == 8
+
+
+def test_the_start_check_takes_the_largest_steps_scratch_and_refuses_a_gpu_without_room(tensors, monkeypatch):
+    """The batched mode's tables and nvCOMP's scratch for the largest step are taken at the start
+    check; where they do not fit, the mode is refused there (one line), not at every step."""
+    _install_fake(monkeypatch, _fake_nvcomp(into=True, sized=True))
+    library = fake_libnvcomp.fake_library()
+    asked = []
+
+    def temp_size(count, largest, opts, ref, total, stream):
+        asked.append((count, largest, total))
+        ref._obj.value = 1 << 62 if count > 4 else 64
+        return 0
+
+    library.nvcompBatchedZstdDecompressGetTempSize = temp_size
+    fake_libnvcomp.install(monkeypatch, library)
+    frames = NvcompFrames(torch.device("cpu"), None)
+    device = decoder(kv_tensors(4), frames, step_blocks=3, authenticated=True)
+    device.self_test()
+    chunks = -(-RAW // CODEC.chunk)
+    assert (3 * chunks * 2, CODEC.chunk // 2, 3 * RAW) in asked
+    assert frames.mode == "sized"  # batched refused: its scratch for a step does not fit
+    device.close()

@@ -146,6 +146,21 @@ class DeviceZstdFrames(DeviceCodec):
                     return (f"a frame holding {how} bytes than it declares decoded without an error, and "
                             "verify=header leaves nothing to catch it (verify=full or auth_key_file)")
                 self.lax_frames = True
+        return self._reserve_step()
+
+    def _reserve_step(self) -> str | None:
+        """The frame decoder's scratch for the largest step, taken now (``reserve``, where it has
+        one), so a GPU without room for it fails the start check, not every step later."""
+        reserve = getattr(self.frames, "reserve", None)
+        if reserve is None:
+            return None
+        largest_row = self._rows.numel() // self.step_blocks
+        chunks = -(-largest_row // self.layer.chunk)
+        try:
+            reserve(self.step_blocks * chunks * self.layer.elem, min(self.layer.chunk, largest_row) // self.layer.elem,
+                    self._rows.numel())
+        except Exception as exc:  # noqa: BLE001 - out of memory, or the library's refusal
+            return f"its scratch for a step: {type(exc).__name__}: {exc}".splitlines()[0][:300]
         return None
 
     def _overran(self, guarded: torch.Tensor) -> bool:

@@ -95,6 +95,13 @@ class BatchedZstd:
         if status != 0:
             raise CodecError("zstd", f"nvCOMP's batched zstd {what} failed (status {status})")
 
+    def reserve(self, count: int, largest: int, total: int) -> None:
+        """The tables and nvCOMP's scratch for a step of ``count`` frames of at most ``largest``
+        and ``total`` decoded bytes, taken now (a torch out-of-memory error where they do not fit)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        with self._lock:
+            self._reserve(count, largest, total, stream)
+
     def _reserve(self, count: int, largest: int, total: int, stream: int) -> None:
         if count > self._capacity:
             self._capacity = max(count, 2 * self._capacity)

@@ -119,6 +119,17 @@ class NvcompFrames:
                 self._codec.compression_config(list(sizes)))
         return config
 
+    def reserve(self, count: int, largest: int, total: int) -> None:
+        """In the ``batched`` mode, its scratch for a step (``BatchedZstd.reserve``); the Python
+        API allocates per call."""
+        if self.mode == "batched":
+            self._batched_decoder().reserve(count, largest, total)
+
+    def _batched_decoder(self) -> BatchedZstd:
+        if self._batched is None:
+            self._batched = BatchedZstd(self._device)
+        return self._batched
+
     def _arrays(self, buffer: torch.Tensor, spans: np.ndarray) -> object:
         """The spans of ``buffer`` as one nvCOMP batch."""
         if self.mode in ("sized", "into"):
@@ -132,9 +143,7 @@ class NvcompFrames:
     def decode(self, source: torch.Tensor, frames: np.ndarray, target: torch.Tensor,
                outputs: np.ndarray) -> tuple[torch.Tensor, object]:
         if self.mode == "batched":
-            if self._batched is None:
-                self._batched = BatchedZstd(self._device)
-            return self._batched.decode(source, frames, target, outputs)
+            return self._batched_decoder().decode(source, frames, target, outputs)
         arrays = self._arrays(source, frames)
         bad = torch.zeros((), dtype=torch.bool, device=target.device)
         if self.mode != "copy":
