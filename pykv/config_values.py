@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any, Callable
 
-from pykv.codec import CODEC_NAMES, UnknownCodecError
+from pykv.codec import CHUNK_BOUNDS, CODEC_NAMES, UnknownCodecError, chunk_allowed
 from pykv.deviceset import MAX_DEVICES
 from pykv.errors import InputError
 from pykv.units import parse_duration, parse_size
@@ -17,8 +17,6 @@ SWITCH_MS = (0.05, 100.0)
 """The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
 IDLE_WAIT_MS = (0.0, 50.0)
 """The bounds of ``idle_wait_ms`` (0: never wait)."""
-CODEC_CHUNK = (16 << 10, 64 << 20, 4 << 10)
-"""``codec_chunk``: the least and most bytes per zstd chunk, and the multiple it must be."""
 
 
 def _size(value: Any, key: str) -> int:
@@ -36,8 +34,8 @@ def _staging(value: Any, key: str) -> int | None:
 def _codec_chunk(value: Any, key: str) -> int | None:
     if _is_auto(value):
         return None
-    chunk, (least, most, multiple) = _size(value, key), CODEC_CHUNK
-    if not least <= chunk <= most or chunk % multiple:
+    chunk, (least, most, multiple) = _size(value, key), CHUNK_BOUNDS
+    if not chunk_allowed(chunk):
         raise InputError(f"{PREFIX}.{key}: {chunk} bytes; a multiple of {multiple >> 10} KiB from {least >> 10} KiB "
                          f"to {most >> 20} MiB, or auto")
     return chunk

@@ -87,15 +87,14 @@ def codec_from_params(params: str) -> Codec | None:
     """The codec whose ``params`` are exactly ``params``, if this pykv can build it (``planes-zstd``
     and ``fp8-zstd`` of any chunk ``codec_chunk`` allows, ``fp8`` and ``fp8-zstd`` of any dtype
     and group they encode, when torch is installed); else None."""
-    from pykv.codec.registry import codec_for
-    from pykv.config_values import CODEC_CHUNK
+    from pykv.codec.registry import chunk_allowed, codec_for
     name, _, settings = params.partition(":")
     if name not in ("planes-zstd", "fp8", "fp8-zstd"):
         return None
     fields = dict(item.partition("=")[::2] for item in settings.split(","))
     try:
         chunk = int(fields["chunk"]) if "chunk" in fields and len(fields["chunk"]) <= 12 else None
-        if chunk is not None and not (CODEC_CHUNK[0] <= chunk <= CODEC_CHUNK[1] and chunk % CODEC_CHUNK[2] == 0):
+        if chunk is not None and not chunk_allowed(chunk):
             chunk = None  # a chunk pykv never writes: the default's params cannot match it
         if name == "planes-zstd":
             codec = codec_for(name, chunk=chunk)

@@ -34,7 +34,8 @@ def test_roots_takes_the_arguments_up_to_the_next_option(args, expanded):
 
 
 def test_the_size_keys_are_the_configs_sizes():
-    assert SIZE_KEYS == {"staging_bytes", "read_segment_bytes", "dram_bytes", "preload_max_bytes", "max_tree_bytes"}
+    assert SIZE_KEYS == {"staging_bytes", "read_segment_bytes", "dram_bytes", "preload_max_bytes", "max_tree_bytes",
+                         "codec_chunk"}
 
 
 @pytest.mark.parametrize("args", [["--dram", "16G", "GB"], ["--dram", "16", "--port", "8000"], ["--dram", "16"],

@@ -3,6 +3,6 @@ lossy opt-in ``fp8``). Pure functions of bytes; the reactor and format integrate
 See docs/codecs.md."""
 
 from pykv.codec.base import Codec, CodecError, UnknownCodecError
-from pykv.codec.registry import CODEC_NAMES, codec_for
+from pykv.codec.registry import CHUNK_BOUNDS, CODEC_NAMES, chunk_allowed, codec_for
 
-__all__ = ["CODEC_NAMES", "Codec", "CodecError", "UnknownCodecError", "codec_for"]
+__all__ = ["CHUNK_BOUNDS", "CODEC_NAMES", "Codec", "CodecError", "UnknownCodecError", "chunk_allowed", "codec_for"]

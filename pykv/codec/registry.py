@@ -7,6 +7,15 @@ from pykv.codec.identity import IdentityCodec
 
 CODEC_NAMES = ("none", "planes-zstd", "fp8", "fp8-zstd")
 """Configuration names, in the order docs/codecs.md describes them."""
+CHUNK_BOUNDS = (16 << 10, 64 << 20, 4 << 10)
+"""The zstd codecs' chunks pykv writes (``codec_chunk``): the least and most bytes, and the
+multiple a chunk must be."""
+
+
+def chunk_allowed(chunk: int) -> bool:
+    """Whether ``chunk`` bytes is a chunk ``codec_chunk`` allows."""
+    least, most, multiple = CHUNK_BOUNDS
+    return least <= chunk <= most and chunk % multiple == 0
 
 
 def codec_for(name: str, *, dtype: str = "bfloat16", group: int | None = None, threads: int = 1,
