@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pykv.errors import InputError
 from pykv.tiers import EVICTION_POLICIES
-from pykv.config_values import (PREFIX, _bool, _choice, _codec, _codec_chunk, _deadline, _duration, _idle_wait_ms, _int_range,
-                                _interval, _margin, _mode, _optional_path, _positive_int, _root, _roots, _segment,
-                                _size, _staging, _switch_ms, _threads_or_auto)
+from pykv.config_values import (PREFIX, _bool, _choice, _codec, _codec_chunk, _deadline, _duration, _idle_wait_ms,
+                                _int_range, _interval, _margin, _mode, _optional_path, _positive_int, _root, _roots,
+                                _segment, _size, _staging, _switch_ms, _threads_or_auto)
 
 SPEC_NAME = "PykvSpec"
 SPEC_MODULE = "pykv.connector.spec"

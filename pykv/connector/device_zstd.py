@@ -7,22 +7,22 @@ is decoded in one call of a frame decoder (``zstd_frames``: nvCOMP's batched zst
 buffer of rows, one per block, raw chunks are copied there, and a codec's last step turns the
 rows into payloads (``planes-zstd``: byte 0 of each value from plane 0, byte 1 from plane 1;
 ``fp8-zstd``: dequantized, ``device_fp8_zstd``) whose pages are scattered into the KV blocks
-(``scatter``). The host reads only the block's table and each frame's header
-(``PlanesZstdCodec.plane_spans``, ``check_frame``): what the CPU decoder would refuse there is
-refused the same way (``Step.CHECK``), before any device work. nvCOMP 6.0 does not check a
-frame's body against the size its header declares (the start check, ``self_test``, finds out),
-so it is used only where the stored bytes' checksum or MAC is verified before decoding, and
-never if it writes outside a plane; each step's rows are zeroed first, so a short frame shows
-zeros, never an earlier step's bytes. ``planes-zstd`` stores are encoded on the codec threads
+(``scatter``). The host reads only the blocks' tables and frame headers, all at once
+(``step_layout``): what the CPU decoder would refuse there is refused the same way
+(``Step.CHECK``), before any device work. nvCOMP 6.0 does not check a frame's body against the
+size its header declares, and writes all of one holding more past its output (the start check,
+``self_test``, finds out): such a decoder is used only where the stored bytes' MAC is verified
+before decoding (a lax one that stays inside its plane: their checksum or MAC); each step's rows
+are zeroed first, so a short frame shows zeros, never an earlier step's bytes. ``planes-zstd`` stores are encoded on the codec threads
 (``pykv.codec.stage``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import logging
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np

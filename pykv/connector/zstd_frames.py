@@ -84,11 +84,12 @@ class NvcompFrames:
     """nvCOMP's batched zstd decoder for standard frames (``BitstreamKind.RAW``) on ``stream``.
     ``InputError`` (one line) where nvCOMP is not installed or does not load. ``mode`` (chosen by
     the start check): ``batched`` calls nvCOMP's C API once per step with a device table of the
-    frames, each frame's decoded length checked on the device (``nvcomp_batched``); ``sized`` decodes into the outputs with a decompression config built from
-    their sizes (nvCOMP neither reads the headers back nor synchronizes the stream); ``into``
-    decodes straight into the outputs (``out=``: no allocation per frame, no copy; nvCOMP reads
-    the headers, synchronizing the stream); ``copy`` into nvCOMP's own arrays, each checked for
-    its size, then all copied in one ``_foreach_copy_``. Frames and outputs go to nvCOMP as ``DeviceBytes``, or, in the
+    frames, each frame's decoded length checked on the device (``nvcomp_batched``); ``sized``
+    decodes into the outputs with a decompression config built from their sizes (nvCOMP neither
+    reads the headers back nor synchronizes the stream); ``into`` decodes straight into the
+    outputs (``out=``: no allocation per frame, no copy; nvCOMP reads the headers, synchronizing
+    the stream); ``copy`` into nvCOMP's own arrays, each checked for its size, then all copied in
+    one ``_foreach_copy_``. Frames and outputs go to the Python API as ``DeviceBytes``, or, in the
     ``-slices`` modes (where nvCOMP refuses those), as torch slices."""
 
     modes = ("batched", "sized", "into", "sized-slices", "into-slices", "copy")
