@@ -8,9 +8,10 @@ frame decoder mode (``NvcompFrames.modes``, forced here; the engine keeps the fi
 its start check, which is printed too). Checks: the loaded blocks equal their source blocks byte
 for byte (``--codec fp8-zstd``: ``DeviceFp8Zstd``; the loaded blocks equal the CPU codec's round
 trip of their source blocks byte for byte). Prints load GB/s of KV and the device codec's counters per mode, one JSON line per
-run to ``--out``. Needs nVCOMP importable (``h200_run.sh setup`` installs it into its deps).
+run to ``--out``. Needs nvCOMP importable (``h200_run.sh setup`` installs it into its deps).
 
     python3 benchmarks/h200_zstd_check.py --out $OUT/zstd_check.jsonl
+    python3 benchmarks/h200_zstd_check.py --chunk-kib 64 --authenticated --modes batched,sized   # as under a MAC
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="CPU encoder threads")
     parser.add_argument("--step-blocks", default="0", help="comma list of step_blocks (0: the codec's own)")
     parser.add_argument("--codec", default="planes-zstd", choices=("planes-zstd", "fp8-zstd"))
+    parser.add_argument("--chunk-kib", type=int, default=0, help="the codec's chunk in KiB (0: its own)")
+    parser.add_argument("--authenticated", action="store_true",
+                        help="the start check as under auth_key_file (nvCOMP's fast modes kept)")
+    parser.add_argument("--modes", default="", help="comma list of frame decoder modes timed (default: all)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke test of this script (zstandard on the host)")
     args = parser.parse_args()
@@ -91,7 +96,8 @@ def main() -> None:
     layout = BlockLayout(BPC, 256, (tuple(RefPage(i, LAYER_PAGE) for i in range(LAYERS)),))
     raw = LAYERS * LAYER_PAGE * BPC
     lossy = args.codec == "fp8-zstd"
-    codec = Fp8ZstdCodec(threads=args.threads) if lossy else PlanesZstdCodec(threads=args.threads)
+    sized = {"chunk": args.chunk_kib << 10} if args.chunk_kib else {}
+    codec = Fp8ZstdCodec(threads=args.threads, **sized) if lossy else PlanesZstdCodec(threads=args.threads, **sized)
     pool = StagingPool(-(-codec.encoded_bound(raw) // 4096) * 4096, chunks, register=None if args.cpu else cuda_host_register,
                        unregister=None if args.cpu else cuda_host_unregister)
     slots = [torch.frombuffer(pool.view(s), dtype=torch.int8) for s in range(chunks)]
@@ -107,22 +113,24 @@ def main() -> None:
         encode_s += time.perf_counter() - began
     expected = [codec.decode_bytes(slots[c].numpy()[:lengths[c]], raw) for c in range(chunks)] if lossy else None
     codec.close()
-    base = {"kind": "zstd_check", "codec": args.codec, "chunks": chunks, "payload_bytes": raw, "ratio": round(sum(lengths) / (chunks * raw), 4),
+    base = {"kind": "zstd_check", "codec": args.codec, "codec_params": codec.params, "authenticated": args.authenticated,
+            "chunks": chunks, "payload_bytes": raw, "ratio": round(sum(lengths) / (chunks * raw), 4),
             "encode_gbps_cpu": round(chunks * raw / encode_s / 1e9, 2), "encode_threads": args.threads}
     print(json.dumps(base))
     copier = TorchCopier(tensors, layout) if args.cpu else CudaCopier(tensors, layout)
     for step in (int(x) for x in args.step_blocks.split(",")):
         layer = codec.frames if lossy else codec
         frames = HostFrames(layer) if args.cpu else None
-        zstd = (DeviceFp8Zstd(codec, copier, [raw], frames, step_blocks=step or None) if lossy else
-                DevicePlanesZstd(codec, copier, raw, frames, step_blocks=step or None))
+        guards = {"authenticated": args.authenticated}
+        zstd = (DeviceFp8Zstd(codec, copier, [raw], frames, step_blocks=step or None, **guards) if lossy else
+                DevicePlanesZstd(codec, copier, raw, frames, step_blocks=step or None, **guards))
         try:
             zstd.self_test()
             chosen = getattr(zstd.frames, "mode", "host")
         except Exception as exc:  # noqa: BLE001 - reported; the modes are still timed
             chosen = f"none ({type(exc).__name__}: {exc})"[:300]
         print(f"start check: {chosen}")
-        for mode in getattr(zstd.frames, "modes", ("host",)):
+        for mode in [m for m in getattr(zstd.frames, "modes", ("host",)) if not args.modes or m in args.modes.split(",")]:
             zstd.frames.mode = mode
             for scatter in (False, True):
                 target_ids = [ids + chunks * BPC for ids in source_ids]
