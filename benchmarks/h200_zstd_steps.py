@@ -1,13 +1,14 @@
 """Where a ``planes-zstd`` device step spends its time, op by op, outside vLLM (H200/H100 host).
 
-The engine's lossless loads run ~10 GB/s of KV outside vLLM (``h200_zstd_check.py``) and the
-8-device target needs ~22. This times each part of a step on its own, with CUDA events, for
-several zstd chunk sizes (the codec's ``chunk``: 1 MiB by default, 2 frames each) and blocks per
-step: the host's layout (every table and frame header read: ``device_zstd.step_layout``, the
-engine's), the stored bytes' copy to the device, zeroing the rows, nvCOMP's batched decode in
-each of ``--modes`` (``sized``: the Python API, an object per frame; ``batched``: the C API, one
-table per step; host time of the call and device time apart), and three ways to merge the byte planes into values (the engine's
-transposed copy; two strided copies; int16 arithmetic), each checked against the source KV.
+The engine's lossless loads ran ~10 GB/s of KV (runs 21-26) and the 8-device target needs ~22.
+This times each part of a step on its own, with CUDA events, for several zstd chunk sizes (the
+codec's ``chunk``: 1 MiB by default, 2 frames each) and blocks per step: the host's layout
+(every table and frame header read: ``device_zstd.step_layout``, the engine's), the stored
+bytes' copy to the device, zeroing the rows, nvCOMP's batched decode in each of ``--modes``
+(``sized``: the Python API, an object per frame; ``batched``: the C API, one table per step;
+host time of the call and device time apart), and three ways to merge the byte planes into
+values (the engine's transposed copy; two strided copies; int16 arithmetic), each checked
+against the source KV (run 28: docs/benchmarks.md).
 Prints GB/s of KV per part and one JSON line per (chunk, step) to ``--out``.
 
     python3 benchmarks/h200_zstd_steps.py --out $OUT/zstd_steps.jsonl
