@@ -68,11 +68,17 @@ class PlanesZstdCodec(Codec):
     def params(self) -> str:
         return f"{self.name}:v{FORMAT_REVISION},elem={self.elem},level={self.level},chunk={self.chunk}"
 
-    def _chunks(self, payload_len: int) -> list[tuple[int, int]]:
+    def chunk_count(self, payload_len: int) -> int:
+        """The chunks of a payload of ``payload_len`` bytes (the last may be shorter);
+        ``CodecError`` unless it is a whole number of values."""
         if payload_len % self.elem:
             raise CodecError(self.name, f"a payload of {payload_len} bytes is not a whole number of "
                                         f"{self.elem}-byte values")
-        return [(start, min(self.chunk, payload_len - start)) for start in range(0, payload_len, self.chunk)]
+        return -(-payload_len // self.chunk)
+
+    def _chunks(self, payload_len: int) -> list[tuple[int, int]]:
+        return [(index * self.chunk, min(self.chunk, payload_len - index * self.chunk))
+                for index in range(self.chunk_count(payload_len))]
 
     def _table_bytes(self, chunks: int) -> int:
         return chunks * self.elem * _LENGTH.size
@@ -127,9 +133,7 @@ class PlanesZstdCodec(Codec):
         frame; ``CodecError`` for a longer or empty one, or a table that does not account for
         exactly the stored bytes. The chunk count comes from ``payload_len`` (trusted)."""
         stored = byte_view(stored)
-        if payload_len % self.elem:
-            self._chunks(payload_len)  # raises: not whole values
-        count = -(-payload_len // self.chunk)
+        count = self.chunk_count(payload_len)
         table = self._table_bytes(count)
         if len(stored) < table:
             raise CodecError(self.name, f"{len(stored)} stored bytes cannot hold the {table}-byte table")

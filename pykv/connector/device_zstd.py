@@ -13,8 +13,8 @@ rows into payloads (``planes-zstd``: byte 0 of each value from plane 0, byte 1 f
 size its header declares, and writes all of one holding more past its output (the start check,
 ``self_test``, finds out): such a decoder is used only where the stored bytes' MAC is verified
 before decoding (a lax one that stays inside its plane: their checksum or MAC); each step's rows
-are zeroed first, so a short frame shows zeros, never an earlier step's bytes. ``planes-zstd`` stores are encoded on the codec threads
-(``pykv.codec.stage``).
+are zeroed first, so a short frame shows zeros, never an earlier step's bytes. ``planes-zstd``
+stores are encoded on the codec threads (``pykv.codec.stage``).
 """
 
 from __future__ import annotations
@@ -154,11 +154,10 @@ class DeviceZstdFrames(DeviceCodec):
         reserve = getattr(self.frames, "reserve", None)
         if reserve is None:
             return None
-        largest_row = self._rows.numel() // self.step_blocks
-        chunks = -(-largest_row // self.layer.chunk)
+        largest_row, layer = self._rows.numel() // self.step_blocks, self.layer
         try:
-            reserve(self.step_blocks * chunks * self.layer.elem, min(self.layer.chunk, largest_row) // self.layer.elem,
-                    self._rows.numel())
+            reserve(self.step_blocks * layer.chunk_count(largest_row) * layer.elem,
+                    min(layer.chunk, largest_row) // layer.elem, self._rows.numel())
         except Exception as exc:  # noqa: BLE001 - out of memory, or the library's refusal
             return f"its scratch for a step: {type(exc).__name__}: {exc}".splitlines()[0][:300]
         return None
