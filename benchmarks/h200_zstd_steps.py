@@ -4,9 +4,10 @@ The engine's lossless loads ran ~10 GB/s of KV (runs 21-26) and the 8-device tar
 This times each part of a step on its own, with CUDA events, for several zstd chunk sizes (the
 codec's ``chunk``: 1 MiB by default, 2 frames each) and blocks per step: the host's layout
 (every table and frame header read: ``device_zstd.step_layout``, the engine's), the stored
-bytes' copy to the device, zeroing the rows, nvCOMP's batched decode in each of ``--modes``
-(``sized``: the Python API, an object per frame; ``batched``: the C API, one table per step;
-host time of the call and device time apart), and three ways to merge the byte planes into
+bytes' copy to the device (whole, one range per block, as the engine's), zeroing the rows,
+nvCOMP's batched decode in each of ``--modes`` (``sized``: the Python API, an object per frame;
+``batched``: the C API, one table per step; host time of the call and device time apart), the
+raw planes' gather (``device_zstd.RawPlanes``, the engine's), and three ways to merge the byte planes into
 values (the engine's transposed copy; two strided copies; int16 arithmetic), each checked
 against the source KV (run 28: docs/benchmarks.md).
 Prints GB/s of KV per part and one JSON line per (chunk, step) to ``--out``.
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from pykv.codec.lossless import PlanesZstdCodec
-from pykv.connector.device_zstd import step_layout
+from pykv.connector.device_zstd import RawPlanes, step_layout
 from pykv.connector.zstd_frames import HostFrames, NvcompFrames
 
 BLOCK = 28 * 65_536 * 16  # the 3B shape's storage block: 29.4 MB of bf16 KV
@@ -81,42 +82,36 @@ def merges(rows: torch.Tensor, count: int, raw: int) -> dict[str, callable]:
 
 def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: int, device: torch.device,
         decoders: dict) -> dict:
-    """Each step: the host's layout (``step_layout``, as the engine's), all stored bytes to the
-    device in one copy, then per decoder: rows zeroed, raw planes copied, the frames decoded, the
-    rows merged (each merge, after the last decoder) and checked against the source KV."""
+    """Each step: the host's layout (``step_layout``, as the engine's), the blocks' stored bytes
+    to the device as they are (one page-locked buffer, one copy), then per decoder: rows zeroed,
+    the frames decoded, the raw planes gathered (``RawPlanes``, the engine's), the rows merged
+    (each merge, after the last decoder) and checked against the source KV."""
     blocks = len(stored)
     clock, walk_s, frames_total, wrong = Clock(device), 0.0, 0, {}
     calls = dict.fromkeys(decoders, 0.0)
+    stored_row = codec.encoded_bound(BLOCK)
+    raw_planes = RawPlanes(codec, step * BLOCK, device)
     for first in range(0, blocks, step):
         group = stored[first:first + step]
         count = len(group)
         began = time.perf_counter()
-        layout = step_layout(codec, group, BLOCK)
+        layout = step_layout(codec, group, BLOCK, stored_row)
         walk_s += time.perf_counter() - began
         frames_total += len(layout.frames)
-        raw_bytes = int(layout.moves[layout.moves[:, 2] == 1, 4].sum())
-        packed_host = torch.empty(layout.packed + raw_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        raw_planes, at = [], layout.packed  # (the engine packs nothing: one batched copy call)
-        for row, position, kind, to, length in layout.moves.tolist():
-            piece = torch.from_numpy(group[row][position:position + length])
-            if kind == 0:
-                packed_host[to:to + length] = piece
-            else:
-                packed_host[at:at + length] = piece
-                raw_planes.append((at, length, to))
-                at += length
-        source = torch.empty(packed_host.numel(), dtype=torch.uint8, device=device)
+        host = torch.empty(count * stored_row, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        for row, _, _, to, length in layout.moves.tolist():
+            host[to:to + length] = torch.from_numpy(group[row])
+        source = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         rows = torch.empty(count * BLOCK, dtype=torch.uint8, device=device)
-        clock.part("h2d_all_stored", lambda: source.copy_(packed_host, non_blocking=True))
+        clock.part("h2d_all_stored", lambda: source.copy_(host, non_blocking=True))
         want = torch.from_numpy(kv[first:first + count]).to(device)
         ways, out = merges(rows, count, BLOCK)
         for name, decoder in decoders.items():
             clock.part("zero_rows", rows.zero_)
-            clock.part("raw_planes_d2d", lambda: [rows[into:into + length].copy_(source[at:at + length])
-                                                  for at, length, into in raw_planes])
             began = time.perf_counter()
             clock.part(f"decode_{name}", lambda: decoder.decode(source, layout.frames, rows, layout.outputs))
             calls[name] += time.perf_counter() - began
+            clock.part("raw_planes_gather", lambda: raw_planes.place(source, rows.view(count, BLOCK), layout.raw))
             for merge, way in ways.items():
                 if merge != "merge_transposed" and name != list(decoders)[-1]:
                     continue
@@ -127,7 +122,9 @@ def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: 
                 wrong[key] = wrong.get(key, 0) + int((out != want).any(dim=1).sum())
     seconds = clock.settle()
     kv_bytes = blocks * BLOCK
-    return {"frames": frames_total, "host_walk_s": round(walk_s, 4),
+    return {"frames": frames_total, "raw_planes": int(sum(len(step_layout(codec, [s], BLOCK, stored_row).raw)
+                                                         for s in stored)),
+            "host_walk_s": round(walk_s, 4),
             **{f"host_decode_call_s_{name}": round(s, 4) for name, s in calls.items()},
             **{f"{name}_gbps_of_kv": round(kv_bytes / s / 1e9, 1) for name, s in seconds.items() if s > 0},
             "wrong_blocks": wrong}

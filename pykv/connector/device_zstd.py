@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import zstandard
 
+from pykv.codec.base import CodecError
 from pykv.codec.lossless import PlanesZstdCodec
 from pykv.errors import InputError
 
@@ -65,6 +66,7 @@ class DeviceZstdFrames(DeviceCodec):
             self._stored_row = layer.encoded_bound(largest_row)
             self._stored = torch.empty(self._stored_row * self.step_blocks, dtype=torch.uint8, device=self.device)
             self._rows = torch.empty(largest_row * self.step_blocks, dtype=torch.uint8, device=self.device)
+            self._raw = RawPlanes(layer, self._rows.numel(), self.device)
         except BaseException:
             self.close()  # the base's threads stop with the half-built decoder (no idle threads left behind)
             raise
@@ -181,68 +183,110 @@ class DeviceZstdFrames(DeviceCodec):
         return refused
 
     def _decode_step(self, loads: Sequence[CodedLoad]) -> tuple[torch.Tensor, object]:
-        """The step's stored bytes to the device in one copy call (zstd frames packed into the
-        stored scratch, raw chunks straight into the rows), every frame in one call of the frame
-        decoder, the rows of all loads into payloads at once (``_from_rows``), one scatter into
-        the KV blocks: a few torch calls per step, none per frame (``pykv.gil``). A frame
-        decoder's bad flag fails every load of the step."""
+        """The step's stored bytes to the device as they are (one range per block, one copy
+        call), every frame decoded from there in one call of the frame decoder, the raw planes
+        gathered into the rows (``RawPlanes``), the rows of all loads into payloads at once
+        (``_from_rows``), one scatter into the KV blocks: a few torch calls per step, none per
+        frame or plane (``pykv.gil``). A frame decoder's bad flag fails every load of the step."""
         count, raw = len(loads), loads[0].raw_length
         row_length = self._row_length(raw)
         slots = [load.task.payload for load in loads]
-        layout = step_layout(self.layer, [slot.numpy().view(np.uint8) for slot in slots], row_length)
+        layout = step_layout(self.layer, [slot.numpy().view(np.uint8) for slot in slots], row_length,
+                             self._stored_row)
         rows = self._rows[:count * row_length]
         rows.zero_()  # a frame nvCOMP leaves short shows zeros, never an earlier step's bytes
-        kept = self.copier.copy_ranges(slots, (self._stored, self._rows), layout.moves,
-                                       source_in_order=False)
+        kept = self.copier.copy_ranges(slots, (self._stored,), layout.moves, source_in_order=False)
         calling = time.perf_counter()
         if len(layout.frames):
             bad, decoding = self.frames.decode(self._stored, layout.frames, self._rows, layout.outputs)
         else:
             bad, decoding = torch.zeros((), dtype=torch.bool, device=self.device), None
         self.stats["codec_frames_us"] += int((time.perf_counter() - calling) * 1e6)
+        placing = self._raw.place(self._stored, rows.view(count, row_length), layout.raw)
         payloads = self.payload[:count * raw].view(torch.uint8).view(count, raw)
         bad_rows = self._from_rows(rows.view(count, row_length), payloads)
-        return bad_rows | bad.reshape(1), (self._into_kv_rows(loads), kept, decoding)
+        return bad_rows | bad.reshape(1), (self._into_kv_rows(loads), kept, decoding, placing)
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where a step's stored bytes go (int64 arrays): ``moves`` rows ``(slot, at, 0 stored scratch
-    | 1 rows, to, length)``, one per plane of each chunk of each block, in stored order; ``frames``
-    ``(offset in the stored scratch, length)`` and ``outputs`` ``(offset in the rows, length)``,
-    one per zstd frame; ``packed``: the stored scratch's bytes in use."""
+    """Where a step's stored bytes go (int64 arrays): ``moves`` rows ``(slot, 0, 0, to, length)``,
+    one per block (its stored bytes, whole, to ``to`` in the stored scratch: the block's row
+    times the stored row); ``frames`` ``(offset in the stored scratch, length)`` and ``outputs``
+    ``(offset in the rows, length)``, one per zstd frame; ``raw`` ``(offset in the stored
+    scratch, row, plane, chunk, length)``, one per plane stored raw."""
 
     moves: np.ndarray
     frames: np.ndarray
     outputs: np.ndarray
-    packed: int
+    raw: np.ndarray
 
 
-def step_layout(layer: PlanesZstdCodec, hosts: Sequence[np.ndarray], row_length: int) -> StepLayout:
-    """The layout of a step whose blocks' stored bytes are ``hosts`` (read in place), each
-    decoding to a row of ``row_length`` bytes (plane ``p`` of chunk ``c`` at ``p`` planes + the
-    chunk's start / ``elem``): every table and frame header read and checked at once per block
-    (``plane_table``, ``check_frames``), what the CPU decoder would refuse refused the same way
-    (``CodecError``), no Python call per frame."""
+def step_layout(layer: PlanesZstdCodec, hosts: Sequence[np.ndarray], row_length: int, stored_row: int) -> StepLayout:
+    """The layout of a step whose blocks' stored bytes are ``hosts`` (read in place, each at
+    most ``stored_row`` bytes), each decoding to a row of ``row_length`` bytes (plane ``p`` of
+    chunk ``c`` at ``p`` planes + the chunk's start / ``elem``): every table and frame header
+    read and checked at once per block (``plane_table``, ``check_frames``), what the CPU decoder
+    would refuse refused the same way (``CodecError``), no Python call per frame."""
     elem = layer.elem
     plane_length = row_length // elem
-    moves, frames, outputs, packed = [], [], [], 0
+    moves, frames, outputs, raws = [], [], [], []
     for row, host in enumerate(hosts):
+        if len(host) > stored_row:
+            raise CodecError(layer.name, f"{len(host)} stored bytes for a {row_length}-byte payload")
         table = layer.plane_table(host, row_length)
+        base = row * stored_row
         into = row * row_length + np.arange(elem) * plane_length + (table.starts // elem)[:, None]
         expected = np.broadcast_to(table.plane_lengths[:, None], table.lengths.shape)
-        coded = (table.lengths != expected).ravel()
-        lengths, positions = table.lengths.ravel(), table.positions.ravel()
-        layer.check_frames(host, positions[coded], lengths[coded], expected.ravel()[coded])
-        coded_lengths = np.where(coded, lengths, 0)
-        packed_at = packed + np.cumsum(coded_lengths) - coded_lengths
-        moves.append(np.stack([np.full_like(lengths, row), positions, (~coded).astype(np.int64),
-                               np.where(coded, packed_at, into.ravel()), lengths], axis=1))
-        frames.append(np.stack([packed_at[coded], lengths[coded]], axis=1))
-        outputs.append(np.stack([into.ravel()[coded], expected.ravel()[coded]], axis=1))
-        packed += int(coded_lengths.sum())
+        coded = table.lengths != expected
+        layer.check_frames(host, table.positions[coded], table.lengths[coded], expected[coded])
+        moves.append([[row, 0, 0, base, len(host)]])
+        frames.append(np.stack([base + table.positions[coded], table.lengths[coded]], axis=1))
+        outputs.append(np.stack([into[coded], expected[coded]], axis=1))
+        chunk, plane = np.nonzero(~coded)
+        raws.append(np.stack([base + table.positions[~coded], np.full_like(chunk, row), plane, chunk,
+                              table.lengths[~coded]], axis=1))
     return StepLayout(*(np.concatenate(parts).reshape(-1, width).astype(np.int64)
-                        for parts, width in ((moves, 5), (frames, 2), (outputs, 2))), packed)
+                        for parts, width in ((moves, 5), (frames, 2), (outputs, 2), (raws, 5))))
+
+
+class RawPlanes:
+    """Puts a step's raw planes from the stored scratch (on the device) into its rows: those of
+    whole chunks (``chunk / elem`` bytes) gathered and scattered in a few indexing kernels, in
+    batches through a bounded scratch; a payload's short last chunk copied on its own."""
+
+    BATCH_BYTES = 16 << 20
+
+    def __init__(self, layer: PlanesZstdCodec, rows_bytes: int, device: torch.device) -> None:
+        self.elem, self.plane = layer.elem, layer.chunk // layer.elem
+        self.device = device
+        self._scratch = torch.empty(min(rows_bytes, max(self.BATCH_BYTES, self.plane)), dtype=torch.uint8,
+                                    device=device)
+
+    def place(self, stored: torch.Tensor, rows: torch.Tensor, raw: np.ndarray) -> object:
+        """``raw`` (``StepLayout.raw``) from ``stored`` into ``rows`` (``count`` x row length),
+        queued on the current stream; returns what must live until the stream passes it."""
+        count, row_length = rows.shape
+        plane_length = row_length // self.elem
+        whole = raw[:, 4] == self.plane
+        for at, row, plane, chunk, length in raw[~whole].tolist():  # at most one short chunk a block
+            into = row * row_length + plane * plane_length + chunk * self.plane
+            rows.view(-1)[into:into + length].copy_(stored[at:at + length])
+        if not whole.any():
+            return None
+        chunks = plane_length // self.plane
+        grid = rows.view(count, self.elem, plane_length)[:, :, :chunks * self.plane].unflatten(2, (chunks, self.plane))
+        windows = stored.as_strided((stored.numel() - self.plane + 1, self.plane), (1, 1))
+        host = torch.from_numpy(np.ascontiguousarray(raw[whole, :4].T))
+        host = host.pin_memory() if self.device.type == "cuda" else host  # lives until the stream passes it
+        index = host.to(self.device, non_blocking=True)
+        batch = self._scratch.numel() // self.plane
+        for first in range(0, index.shape[1], batch):
+            part = index[:, first:first + batch]
+            gathered = self._scratch[:part.shape[1] * self.plane].view(-1, self.plane)
+            torch.index_select(windows, 0, part[0], out=gathered)
+            grid.index_put_((part[1], part[2], part[3]), gathered)
+        return host, index
 
 
 class DevicePlanesZstd(DeviceZstdFrames):
