@@ -4,10 +4,10 @@
 The stored bytes go to the device as they are (about 0.68 of the KV's bytes over PCIe for
 ``planes-zstd``); every zstd frame of a step's blocks (``DeviceCodec``: the loads queued at once)
 is decoded in one call of a frame decoder (``zstd_frames``: nvCOMP's batched zstd) into a device
-buffer of rows, one per block, raw chunks are copied there, and a codec's last step turns the
-rows into payloads (``planes-zstd``: byte 0 of each value from plane 0, byte 1 from plane 1;
-``fp8-zstd``: dequantized, ``device_fp8_zstd``) whose pages are scattered into the KV blocks
-(``scatter``). The host reads only the blocks' tables and frame headers, all at once
+buffer of rows, one per block, raw planes are gathered there (``RawPlanes``), and a codec's last
+step turns the rows into payloads (``planes-zstd``: byte 0 of each value from plane 0, byte 1
+from plane 1; ``fp8-zstd``: dequantized, ``device_fp8_zstd``) whose pages are scattered into the
+KV blocks (``scatter``). The host reads only the blocks' tables and frame headers, all at once
 (``step_layout``): what the CPU decoder would refuse there is refused the same way
 (``Step.CHECK``), before any device work. nvCOMP 6.0 does not check a frame's body against the
 size its header declares, and writes all of one holding more past its output (the start check,
