@@ -126,7 +126,7 @@ def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: 
                                                          for s in stored)),
             "host_walk_s": round(walk_s, 4),
             **{f"host_decode_call_s_{name}": round(s, 4) for name, s in calls.items()},
-            **{f"{name}_gbps_of_kv": round(kv_bytes / s / 1e9, 1) for name, s in seconds.items() if s > 0},
+            **{f"{name}_gbps_of_kv": float(f"{kv_bytes / s / 1e9:.3g}") for name, s in seconds.items() if s > 0},
             "wrong_blocks": wrong}
 
 

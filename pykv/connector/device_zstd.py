@@ -269,18 +269,19 @@ class RawPlanes:
         count, row_length = rows.shape
         plane_length = row_length // self.elem
         whole = raw[:, 4] == self.plane
-        for at, row, plane, chunk, length in raw[~whole].tolist():  # at most one short chunk a block
+        for at, row, plane, chunk, length in raw[~whole].tolist():  # a block's short last chunk: elem at most
             into = row * row_length + plane * plane_length + chunk * self.plane
             rows.view(-1)[into:into + length].copy_(stored[at:at + length])
         if not whole.any():
             return None
         chunks = plane_length // self.plane
-        grid = rows.view(count, self.elem, plane_length)[:, :, :chunks * self.plane].unflatten(2, (chunks, self.plane))
+        grid = rows.view(count, self.elem, plane_length)[:, :, :chunks * self.plane]
+        grid = grid.unflatten(2, (chunks, self.plane))  # [row, plane, chunk]: a whole chunk's plane
         windows = stored.as_strided((stored.numel() - self.plane + 1, self.plane), (1, 1))
         host = torch.from_numpy(np.ascontiguousarray(raw[whole, :4].T))
         host = host.pin_memory() if self.device.type == "cuda" else host  # lives until the stream passes it
         index = host.to(self.device, non_blocking=True)
-        batch = self._scratch.numel() // self.plane
+        batch = self._scratch.numel() // self.plane  # >= 1: whole planes lie in the rows
         for first in range(0, index.shape[1], batch):
             part = index[:, first:first + batch]
             gathered = self._scratch[:part.shape[1] * self.plane].view(-1, self.plane)
