@@ -7,9 +7,9 @@ codec's ``chunk``: 1 MiB by default, 2 frames each) and blocks per step: the hos
 bytes' copy to the device (whole, one range per block, as the engine's), zeroing the rows,
 nvCOMP's batched decode in each of ``--modes`` (``sized``: the Python API, an object per frame;
 ``batched``: the C API, one table per step; host time of the call and device time apart), the
-raw planes' gather (``device_zstd.RawPlanes``, the engine's), and three ways to merge the byte planes into
-values (the engine's transposed copy; two strided copies; int16 arithmetic), each checked
-against the source KV (run 28: docs/benchmarks.md).
+raw planes' gather (``device_zstd.RawPlanes``, the engine's), and three ways to merge the byte
+planes into values (the engine's transposed copy; two strided copies; int16 arithmetic), each
+checked against the source KV (run 28: docs/benchmarks.md).
 Prints GB/s of KV per part and one JSON line per (chunk, step) to ``--out``.
 
     python3 benchmarks/h200_zstd_steps.py --out $OUT/zstd_steps.jsonl
@@ -87,7 +87,7 @@ def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: 
     the frames decoded, the raw planes gathered (``RawPlanes``, the engine's), the rows merged
     (each merge, after the last decoder) and checked against the source KV."""
     blocks = len(stored)
-    clock, walk_s, frames_total, wrong = Clock(device), 0.0, 0, {}
+    clock, walk_s, frames_total, raw_total, wrong = Clock(device), 0.0, 0, 0, {}
     calls = dict.fromkeys(decoders, 0.0)
     stored_row = codec.encoded_bound(BLOCK)
     raw_planes = RawPlanes(codec, step * BLOCK, device)
@@ -97,7 +97,7 @@ def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: 
         began = time.perf_counter()
         layout = step_layout(codec, group, BLOCK, stored_row)
         walk_s += time.perf_counter() - began
-        frames_total += len(layout.frames)
+        frames_total, raw_total = frames_total + len(layout.frames), raw_total + len(layout.raw)
         host = torch.empty(count * stored_row, dtype=torch.uint8, pin_memory=device.type == "cuda")
         for row, _, _, to, length in layout.moves.tolist():
             host[to:to + length] = torch.from_numpy(group[row])
@@ -122,9 +122,7 @@ def run(stored: list[np.ndarray], codec: PlanesZstdCodec, kv: np.ndarray, step: 
                 wrong[key] = wrong.get(key, 0) + int((out != want).any(dim=1).sum())
     seconds = clock.settle()
     kv_bytes = blocks * BLOCK
-    return {"frames": frames_total, "raw_planes": int(sum(len(step_layout(codec, [s], BLOCK, stored_row).raw)
-                                                         for s in stored)),
-            "host_walk_s": round(walk_s, 4),
+    return {"frames": frames_total, "raw_planes": raw_total, "host_walk_s": round(walk_s, 4),
             **{f"host_decode_call_s_{name}": round(s, 4) for name, s in calls.items()},
             **{f"{name}_gbps_of_kv": float(f"{kv_bytes / s / 1e9:.3g}") for name, s in seconds.items() if s > 0},
             "wrong_blocks": wrong}

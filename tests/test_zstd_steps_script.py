@@ -23,7 +23,8 @@ def test_every_part_is_timed_and_every_merge_rebuilds_the_kv(tmp_path):
         assert "error" not in record, record
         assert record["wrong_blocks"] == {"merge_transposed_host": 0, "merge_strided": 0, "merge_arithmetic": 0}
         assert record["frames"] == 2 * 28 * (1 << 20) // record["chunk"]  # the exponent plane of each chunk
+        assert record["raw_planes"] == record["frames"]  # the mantissa plane of each chunk: stored raw
         assert 0.6 < record["ratio"] < 0.75
-        for part in ("h2d_all_stored", "zero_rows", "decode_host", "raw_planes_gather", "merge_transposed_host", "merge_strided",
-                     "merge_arithmetic"):
+        for part in ("h2d_all_stored", "zero_rows", "decode_host", "raw_planes_gather", "merge_transposed_host",
+                     "merge_strided", "merge_arithmetic"):
             assert record[f"{part}_gbps_of_kv"] > 0
