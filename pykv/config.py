@@ -18,7 +18,7 @@ from pykv.errors import InputError
 from pykv.tiers import EVICTION_POLICIES
 from pykv.config_values import (PREFIX, _bool, _choice, _codec, _codec_chunk, _deadline, _duration, _idle_wait_ms,
                                 _int_range, _interval, _margin, _mode, _optional_path, _positive_int, _root, _roots,
-                                _segment, _size, _staging, _switch_ms, _threads_or_auto)
+                                _segment, _size, _staging, _step_blocks, _switch_ms, _threads_or_auto)
 
 SPEC_NAME = "PykvSpec"
 SPEC_MODULE = "pykv.connector.spec"
@@ -113,6 +113,11 @@ class PykvConfig:
                              "refuses to start without it) or auto (gpu where nvCOMP is installed and passes its start "
                              "check, else cpu; nvCOMP 6.0 needs verify=full or auth_key_file there, and auth_key_file "
                              "for its fast modes).", "str")
+    codec_step_blocks: int | None = _key(_step_blocks, "auto", "Loads of one length a device codec's step "
+                                         "(fp8, fp8-zstd, planes-zstd on the GPU) takes at most: one copy, one decode "
+                                         "and one scatter for them all; its scratch on the KV's GPU holds that many "
+                                         "blocks. auto: as many as a bounded scratch holds (payload: fp8 256 MiB, "
+                                         "fp8-zstd 192 MiB, planes-zstd 128 MiB), 1 to 16.", "int")
     codec_graphs: bool = _key(_bool, False, "Replay fp8's load steps of whole blocks as CUDA graphs: a step is "
                               "then a few calls instead of some forty, each of which waits for the GIL beside the "
                               "engine's loop (docs/configuration.md, \"The GIL\"); false: kernel by kernel.", "bool")
@@ -216,7 +221,7 @@ class PykvConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("staging_bytes", "verify_threads", "codec_threads", "codec_chunk") and value is None:
+            if f.name in ("staging_bytes", "verify_threads", "codec_threads", "codec_chunk", "codec_step_blocks") and value is None:
                 value = "auto"
             if f.name == "gil_switch_ms" and value is None:
                 value = "keep"

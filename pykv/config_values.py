@@ -17,6 +17,8 @@ SWITCH_MS = (0.05, 100.0)
 """The bounds of ``gil_switch_ms`` (the interpreter's own default is 5 ms)."""
 IDLE_WAIT_MS = (0.0, 50.0)
 """The bounds of ``idle_wait_ms`` (0: never wait)."""
+MAX_STEP_BLOCKS = 16
+"""Loads one device-codec step takes at most (``codec_step_blocks``; its scratch grows with it)."""
 
 
 def _size(value: Any, key: str) -> int:
@@ -39,6 +41,16 @@ def _codec_chunk(value: Any, key: str) -> int | None:
         raise InputError(f"{PREFIX}.{key}: {chunk} bytes; a multiple of {multiple >> 10} KiB from {least >> 10} KiB "
                          f"to {most >> 20} MiB, or auto")
     return chunk
+
+
+def _step_blocks(value: Any, key: str) -> int | None:
+    if _is_auto(value):
+        return None
+    try:
+        return _positive_int(MAX_STEP_BLOCKS)(value, key)
+    except InputError:
+        raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to {MAX_STEP_BLOCKS}, "
+                         f"got {str(value)[:40]!r}") from None
 
 
 def _threads_or_auto(value: Any, key: str) -> int | None:
@@ -102,7 +114,8 @@ def _int_range(minimum: int, maximum: int) -> Callable[[Any, str], int]:
     """A parser of integers in ``minimum``..``maximum`` (a bound so no key can ask for unbounded resources)."""
     def parse(value: Any, key: str) -> int:
         text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
-        if not text.isdecimal() or len(text) > len(str(maximum)) or not minimum <= int(text) <= maximum:
+        digits = text.isascii() and text.isdecimal()
+        if not digits or len(text) > len(str(maximum)) or not minimum <= int(text) <= maximum:
             raise InputError(f"{PREFIX}.{key}: expected an integer from {minimum} to {maximum}, got {str(value)[:40]!r}")
         return int(text)
     return parse

@@ -8,10 +8,10 @@ from pykv.errors import InputError
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _UNIT = r"(?:([KMGTP])(?:I?B)?|B)"  # K, KB, KiB (all binary) ... P, PiB; B: bytes; any case
-_SIZE_RE = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*{_UNIT}?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*{_UNIT}?\s*$", re.IGNORECASE | re.ASCII)  # ASCII digits only
 _UNIT_RE = re.compile(rf"^{_UNIT}$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.ASCII)
 MAX_SIZE = (1 << 63) - 1  # what a file offset (off_t) can express
 MAX_DURATION_S = 100 * 365 * 86400.0  # a century: longer than any tree lives
 _MAX_DIGITS = 40  # longer numbers are refused before any arithmetic on them
@@ -78,7 +78,7 @@ def parse_int_list(text: str, *, field: str = "list", minimum: int = 1) -> list[
     values: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdecimal() or len(part) > _MAX_DIGITS or int(part) < minimum:
+        if not (part.isascii() and part.isdecimal()) or len(part) > _MAX_DIGITS or int(part) < minimum:
             raise InputError(f"{field}: {_short(part)!r} in {_short(text)!r} is not an integer >= {minimum} "
                              f"of at most {_MAX_DIGITS} digits")
         values.append(int(part))

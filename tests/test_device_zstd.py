@@ -571,7 +571,8 @@ def test_device_codec_for_tells_the_decoder_whether_stored_bytes_are_checked(mon
     made = []
 
     class Recording:
-        def __init__(self, codec, copier, largest, *, checked, authenticated):
+        def __init__(self, codec, copier, largest, *, checked, authenticated, step_blocks):
+            assert step_blocks is None  # codec_step_blocks auto: the decoder's own bound
             made.append((checked, authenticated))
 
         def self_test(self):

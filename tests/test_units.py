@@ -140,3 +140,12 @@ def test_require_multiple_rejects(value, multiple):
 ])
 def test_format_size(value, expected):
     assert format_size(value) == expected
+
+
+@pytest.mark.parametrize("parse, text", [(parse_size, "１２G"), (parse_size, "٣M"), (parse_duration, "１m"),
+                                         (parse_duration, "1.５s"), (parse_int_list, "1,２"), (parse_size, "12\u00a0G")])
+def test_only_ascii_digits_and_spaces_are_numbers(parse, text):
+    """Python's ``int``/``float`` read any script's digits; a size, duration or list is written in ASCII."""
+    with pytest.raises(InputError) as refused:
+        parse(text)
+    assert "\n" not in str(refused.value)

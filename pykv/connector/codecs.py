@@ -40,13 +40,14 @@ def device_codec_for(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payloa
     threads, said in one log line); None where the codec threads (or no codec) do the work."""
     if codec.name == "fp8":
         from pykv.connector.device_codec import DeviceFp8
-        return DeviceFp8(codec, copier, payload_lengths, graphs=pykv.codec_graphs)
+        return DeviceFp8(codec, copier, payload_lengths, graphs=pykv.codec_graphs, step_blocks=pykv.codec_step_blocks)
     if codec.name == "fp8-zstd":
         return _fp8_zstd(codec, pykv, copier, payload_lengths)
     if codec.name != "planes-zstd":
         return None
     from pykv.connector.device_zstd import DevicePlanesZstd
-    return _on_gpu(lambda **guards: DevicePlanesZstd(codec, copier, max(payload_lengths), **guards), pykv,
+    return _on_gpu(lambda **guards: DevicePlanesZstd(codec, copier, max(payload_lengths),
+                                                     step_blocks=pykv.codec_step_blocks, **guards), pykv,
                    copier, "planes-zstd loads decode on the codec threads")
 
 
@@ -54,9 +55,10 @@ def _fp8_zstd(codec: Codec, pykv: PykvConfig, copier: TorchCopier, payload_lengt
     """``fp8-zstd`` on the KV's device, its frames decoded by nvCOMP as ``_on_gpu`` allows, else by
     the codec threads."""
     from pykv.connector.device_fp8_zstd import DeviceFp8HostZstd, DeviceFp8Zstd
-    return (_on_gpu(lambda **guards: DeviceFp8Zstd(codec, copier, payload_lengths, **guards), pykv, copier,
-                    "fp8-zstd frames decode on the codec threads")
-            or DeviceFp8HostZstd(codec, copier, payload_lengths))
+    step_blocks = pykv.codec_step_blocks
+    return (_on_gpu(lambda **guards: DeviceFp8Zstd(codec, copier, payload_lengths, step_blocks=step_blocks, **guards),
+                    pykv, copier, "fp8-zstd frames decode on the codec threads")
+            or DeviceFp8HostZstd(codec, copier, payload_lengths, step_blocks=step_blocks))
 
 
 def _on_gpu(build: Callable[..., DeviceCodec], pykv: PykvConfig, copier: TorchCopier,

@@ -33,6 +33,7 @@ import torch
 
 from pykv.codec.base import CodecError
 from pykv.codec.fp8 import Fp8Codec, decode_rows, quantize
+from pykv.config_values import MAX_STEP_BLOCKS
 from pykv.errors import InputError
 from pykv.failures import BlockFailure, Step
 
@@ -50,7 +51,6 @@ FLAGS = 64
 STEP_BYTES = 256 << 20
 """Raw payload bytes one load step decodes at most (``DeviceCodec.step_blocks``): the scratch on
 the KV's device is this much payload plus its stored bytes."""
-MAX_STEP_BLOCKS = 16
 _NOTHING = object()
 Issued = tuple[torch.Tensor, "int | None", object]
 """What a store's device work left: its bad-input flag, its stored length, what must live until
