@@ -138,7 +138,9 @@ def test_a_frame_declaring_another_size_is_refused(codec):
     with pytest.raises(CodecError, match="declares"):
         codec.decode(replace_high_plane(stored, at, length, bomb), bytearray(len(payload)))
     # the right declared size, but a second frame or trailing bytes behind it
-    for tail in (frame, b"\0\0\0"):
+    skippable = struct.pack("<II", 0x184D2A50, 4) + b"junk"
+    empty = zstandard.ZstdCompressor(level=1).compress(b"")
+    for tail in (frame, b"\0\0\0", b"\x28\xb5\x2f", skippable, empty, b"\x28\xb5\x2f\xfd"):
         with pytest.raises(CodecError):
             codec.decode(replace_high_plane(stored, at, length, frame + tail), bytearray(len(payload)))
     assert codec.decode_bytes(replace_high_plane(stored, at, length, frame), len(payload)) == payload
@@ -230,3 +232,55 @@ def test_planes_merge_writes_every_byte_of_what_split_took_apart(elem):
         out = np.full(values * elem, 0xA5, dtype=np.uint8)
         planes.merge(out, parts, elem)
         assert np.array_equal(out, data)
+
+
+def test_a_frame_with_a_huge_window_behind_the_plane_is_refused_before_it_is_decoded(codec):
+    """The bytes behind a plane's frame are never decoded: a second frame asking for a 128 MiB
+    window (no content size) is refused without zstd sizing a buffer by it."""
+    import resource
+    payload = SAMPLES["kv-like-bf16"]()
+    stored = codec.encode(payload)
+    at, length = first_high_plane(codec, stored, len(payload))
+    frame = stored[at:at + length]
+    tail = bytes([0x28, 0xB5, 0x2F, 0xFD, 0x00, (27 - 10) << 3]) + bytes([0x01, 0x00, 0x00])  # window 2^27, a raw empty last block
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CodecError, match="unused data"):
+        codec.decode(replace_high_plane(stored, at, length, frame + tail), bytearray(len(payload)))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: far below 128 MiB
+
+
+def test_the_bound_of_a_huge_payload_is_arithmetic():
+    """A header may claim any raw length up to the format's limit; the stored bound for it takes
+    no memory or time that grows with the chunk count (a planted header costs the reader nothing)."""
+    import time
+    import tracemalloc
+    codec = PlanesZstdCodec(chunk=16 << 10)
+    tracemalloc.start()
+    started = time.perf_counter()
+    bound = codec.encoded_bound(1 << 36)
+    elapsed = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert bound == (1 << 36) + (1 << 36) // (16 << 10) * 2 * 4
+    assert peak < 64 << 10 and elapsed < 0.05
+
+
+def test_threads_leave_the_output_alone_once_a_chunk_is_refused():
+    """With a thread pool, a refused chunk raises only after every chunk's job ended: no job
+    writes into the caller's buffer after ``decode`` returned."""
+    import time
+    codec = PlanesZstdCodec(chunk=1 << 20, threads=2)
+    try:
+        payload = bf16_bytes(torch.randn(8 << 20, generator=torch.Generator().manual_seed(5)))
+        stored = bytearray(codec.encode(payload))
+        position, length = codec.plane_spans(stored, len(payload))[0][2][1]
+        stored[position + length - 3] ^= 0xFF  # chunk 0 fails late in its frame
+        for _ in range(5):
+            dst = np.zeros(len(payload), dtype=np.uint8)
+            with pytest.raises(CodecError):
+                codec.decode(stored, dst)
+            after = dst.copy()
+            time.sleep(0.05)
+            assert np.array_equal(dst, after)
+    finally:
+        codec.close()

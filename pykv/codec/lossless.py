@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -84,7 +84,7 @@ class PlanesZstdCodec(Codec):
         return chunks * self.elem * _LENGTH.size
 
     def encoded_bound(self, payload_len: int) -> int:
-        return self._table_bytes(len(self._chunks(payload_len))) + payload_len
+        return self._table_bytes(self.chunk_count(payload_len)) + payload_len  # no list: a header's length
 
     # -- encoding ---------------------------------------------------------------------------
 
@@ -202,29 +202,22 @@ class PlanesZstdCodec(Codec):
         decompressor = getattr(self._contexts, "decompressor", None)
         if decompressor is None:
             decompressor = self._contexts.decompressor = zstandard.ZstdDecompressor()
-        view, filled = memoryview(into), 0
         try:
-            # read_across_frames: a second frame or trailing bytes after the first are read (and
-            # refused below), not silently ignored
-            with decompressor.stream_reader(frame, read_size=max(len(frame), 1),
-                                            read_across_frames=True) as reader:
-                while filled < len(into):
-                    got = reader.readinto(view[filled:])
-                    if not got:
-                        break
-                    filled += got
-                extra = reader.read(1) if filled == len(into) else b""
+            # one frame, every byte of it: trailing bytes or a second frame behind it are refused
+            data = decompressor.decompress(frame, max_output_size=len(into), allow_extra_data=False)
         except zstandard.ZstdError as error:
             raise CodecError(self.name, f"corrupt zstd frame: {error}") from None
-        if filled != len(into) or extra:
-            raise CodecError(self.name, f"zstd frame decodes to {'more' if extra else filled} bytes, "
-                                        f"not {len(into)}")
+        if len(data) != len(into):
+            raise CodecError(self.name, f"zstd frame decodes to {len(data)} bytes, not {len(into)}")
+        into[:] = np.frombuffer(data, dtype=np.uint8)
 
     def _map(self, fn: Callable[[_T], object], items: Iterable[_T]) -> list:
         items = list(items)
         if self._pool is None or len(items) < 2:
             return [fn(item) for item in items]
-        return list(self._pool.map(fn, items))
+        futures = [self._pool.submit(fn, item) for item in items]
+        wait(futures)  # every job ended before any error is raised: none writes after the caller is told
+        return [future.result() for future in futures]
 
     def close(self) -> None:
         """Stop the codec's threads (idle ones; tests and tools)."""
