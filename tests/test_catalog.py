@@ -90,3 +90,63 @@ def test_schema_version_mismatch_rebuilds(tmp_path):
     with Catalog(tree) as catalog:
         assert catalog.db["entries"].count == 0
         assert len(catalog.scan().of_kind(Kind.BLOCK)) == 1
+
+
+def planted(tree, statements: list[str], version: int = 1) -> None:
+    """A catalog with the right tables and version, and SQL someone else added."""
+    import sqlite3
+    with Catalog(tree) as catalog:
+        catalog.scan()
+    conn = sqlite3.connect(tree.state_dir / CATALOG_NAME)
+    for statement in statements:
+        conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.commit()
+    conn.close()
+
+
+def schema_of(tree) -> list[tuple]:
+    import sqlite3
+    conn = sqlite3.connect(tree.state_dir / CATALOG_NAME)
+    try:
+        return sorted(conn.execute("SELECT type, name FROM sqlite_master").fetchall())
+    finally:
+        conn.close()
+
+
+def test_a_planted_trigger_never_fires_and_is_dropped(tmp_path):
+    """A trigger in the catalog (a cross join that would run for hours, here one that leaves a
+    trace) is dropped before any row is written: the scan lists the tree, the trigger never ran."""
+    tree = make_tree(tmp_path)
+    for i in range(3):
+        add_block(tree, bytes([i * 40]) + key(i))
+    planted(tree, ["CREATE TABLE trace (n)",
+                   "CREATE TRIGGER planted AFTER INSERT ON leaf_dirs BEGIN INSERT INTO trace VALUES (1); END",
+                   "CREATE TRIGGER planted2 AFTER INSERT ON entries BEGIN INSERT INTO trace VALUES (2); END",
+                   "DELETE FROM leaf_dirs", "DELETE FROM entries"])
+    os.utime(tree.root / os.listdir(tree.root)[0], None)  # any dir listed again: rows are inserted
+    result = scan_tree(tree)
+    assert len(result.of_kind(Kind.BLOCK)) == 3
+    assert [name for kind, name in schema_of(tree) if kind != "index"] == ["entries", "leaf_dirs"]
+
+
+def test_views_and_other_objects_in_place_of_the_tables_are_rebuilt(tmp_path):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(1))
+    planted(tree, ["DROP TABLE leaf_dirs", "CREATE VIEW leaf_dirs AS SELECT 1 AS dir, 2 AS namespace, 3 AS mtime_ns",
+                   "CREATE INDEX heavy ON entries (zeroblob(100000000))"])
+    for version in (1, 7):
+        with Catalog(tree) as catalog:  # no AttributeError, no 100 MB per row
+            assert len(catalog.scan().of_kind(Kind.BLOCK)) == 1
+        assert sorted(name for kind, name in schema_of(tree) if kind == "table") == ["entries", "leaf_dirs"]
+        assert not [name for kind, name in schema_of(tree) if kind in ("view", "trigger") or name == "heavy"]
+        planted(tree, ["CREATE VIEW v AS SELECT 1"], version=version + 1)
+
+
+def test_a_column_pykv_never_made_rebuilds_the_catalog(tmp_path):
+    tree = make_tree(tmp_path)
+    add_block(tree, key(1))
+    planted(tree, ["ALTER TABLE entries ADD COLUMN extra DEFAULT 7"])
+    with Catalog(tree) as catalog:
+        assert "extra" not in catalog.db["entries"].columns_dict
+        assert len(catalog.scan().of_kind(Kind.BLOCK)) == 1

@@ -17,7 +17,9 @@ timestamp tick as the listing would otherwise leave the mtime unchanged.
 
 The catalog lies in the tree, so its rows are as untrusted as the files: a row that is not
 one path component is dropped, and a leaf whose rows hold a size or a time no listing writes
-(below 0 or beyond the file system's capacity; after the scan began) is listed again. A
+(below 0 or beyond the file system's capacity; after the scan began) is listed again. Its
+schema is checked too: a catalog holding any object pykv never makes (a trigger, a view, an
+index, another column) is emptied and rebuilt before a row is written, so no planted SQL runs. A
 catalog or journal that is a link, or a file with another hard link, is never opened.
 
 The serving path never opens this file. Any SQLite failure (locked, corrupt,
@@ -78,15 +80,15 @@ class Catalog:
         self.db.close()
 
     def _ensure_schema(self) -> None:
+        """The two tables and nothing else: a catalog of another version, or with any other object
+        (a trigger, a view, an index, a table or column pykv never made), is emptied and rebuilt, so
+        no SQL planted in the file runs when gc or inspect writes rows."""
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
-        if version != SCHEMA_VERSION:
-            for name in self.db.table_names():
-                self.db[name].drop()
-        self.db["leaf_dirs"].create({"dir": str, "namespace": str, "mtime_ns": int}, pk="dir",
-                                    if_not_exists=True)
-        self.db["entries"].create({"dir": str, "name": str, "kind": str, "size": int,
-                                   "atime_ns": int, "mtime_ns": int}, pk=("dir", "name"),
-                                  if_not_exists=True)
+        if version != SCHEMA_VERSION or _schema(self.db.conn) != _expected_schema():
+            _drop_everything(self.db.conn)
+        _create_tables(self.db)
+        if _schema(self.db.conn) != _expected_schema():  # an object SQLite would not drop (a forged sqlite_ name)
+            raise sqlite3.DatabaseError("its schema holds objects pykv never makes and cannot drop")
         self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def scan(self) -> Scan:
@@ -173,6 +175,41 @@ def _encodable(name: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+def _create_tables(db: sqlite_utils.Database) -> None:
+    db["leaf_dirs"].create({"dir": str, "namespace": str, "mtime_ns": int}, pk="dir", if_not_exists=True)
+    db["entries"].create({"dir": str, "name": str, "kind": str, "size": int, "atime_ns": int, "mtime_ns": int},
+                         pk=("dir", "name"), if_not_exists=True)
+
+
+def _schema(conn: sqlite3.Connection) -> list[tuple]:
+    return sorted(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall(),
+                  key=lambda row: tuple(str(value) for value in row))
+
+
+_EXPECTED: list[tuple] = []
+
+
+def _expected_schema() -> list[tuple]:
+    """The schema a fresh catalog has (built once, in memory)."""
+    if not _EXPECTED:
+        memory = sqlite_utils.Database(memory=True)
+        _create_tables(memory)
+        _EXPECTED.extend(_schema(memory.conn))
+        memory.close()
+    return _EXPECTED
+
+
+def _drop_everything(conn: sqlite3.Connection) -> None:
+    """Every object of the catalog's schema dropped (triggers and views first, so none fires)."""
+    order = {"trigger": 0, "view": 1, "index": 2, "table": 3}
+    objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite\\_%' ESCAPE '\\'").fetchall()
+    for kind, name in sorted(objects, key=lambda row: order.get(row[0], 4)):
+        if kind in order:
+            quoted = '"' + str(name).replace('"', '""') + '"'
+            conn.execute(f"DROP {kind.upper()} IF EXISTS {quoted}")
+    conn.commit()
 
 
 def _capacity(root: Path) -> int:
