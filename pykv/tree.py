@@ -63,7 +63,7 @@ class KVTree:
     """A pykv tree rooted at ``root``. Use ``open`` (must exist) or ``create``."""
 
     def __init__(self, root: Path | str, options: TreeOptions | None = None) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # "." and "./" alike: the paths of a walk and of a block agree
         self._prefixes: dict[str, str] = {}  # namespace id -> "<root>/<id>/" (``contains``)
         self.options = options or TreeOptions()
         self._identity: str | None = None

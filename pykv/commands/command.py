@@ -3,7 +3,8 @@
 - A size split in two (``--dram 16 GB``) would be 16 bytes and a stray ``GB`` (given to vLLM by
   ``serve`` and ``warm``): a size option (metavar ``SIZE``), or ``--set`` of a size key, whose value
   is followed by a unit word alone is refused in one line.
-- An empty ``DIR`` (``--root ""``) would be the current directory: refused.
+- An empty ``DIR`` (``--root ""``) or ``ROOT`` (``pykv gc "$UNSET"``) would be the current
+  directory: refused.
 - ``--roots A B C`` is ``--roots A --roots B --roots C``: it takes every argument up to the next
   option (so ``MODEL`` or ``PROMPTS`` go before it).
 """
@@ -34,6 +35,8 @@ class PykvCommand(TyperCommand):
         refuse_split_sizes(args, {name for name, p in options.items() if p.metavar == "SIZE"},
                            settings=SETTING in options)
         refuse_empty(args, {name for name, p in options.items() if p.metavar == "DIR"})
+        if any(p.param_type_name == "argument" and p.metavar == "ROOT" for p in self.params):
+            refuse_empty_roots(args, options)
         return super().parse_args(ctx, args)
 
 
@@ -93,6 +96,29 @@ def refuse_empty(args: list[str], flags: set[str]) -> None:
         value = inline if sep else _at(args, index + 1)
         if name in flags and value is not None and not value.strip():
             raise InputError(f"{name}: an empty path; give a directory")
+
+
+def refuse_empty_roots(args: list[str], options: dict[str, Any]) -> None:
+    """``InputError`` for an empty positional argument of a command whose arguments are ``ROOT``s
+    (an unset variable would make the current directory the tree gc deletes from)."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if arg == "--":
+            positional = args[index:]
+        elif arg.startswith("-") and arg != "-":
+            name, sep, _ = arg.partition("=")
+            param = options.get(name)
+            if param is not None and not sep and not (param.is_flag or getattr(param, "count", False)):
+                index += 1  # its value, whatever it is
+            continue
+        else:
+            positional = [arg]
+        if any(not value.strip() for value in positional):
+            raise InputError("ROOT: an empty path; give the tree's directory")
+        if arg == "--":
+            return
 
 
 def pair_key(text: str) -> str:

@@ -155,7 +155,7 @@ EngineArgOption = Annotated[Optional[list[str]], typer.Option(
 EngineArgsOption = Annotated[Optional[str], typer.Option(
     "--engine-args", metavar="JSON", help="vllm.LLM arguments as one JSON object (--engine-arg wins).")]
 RootArgument = Annotated[Path, typer.Argument(
-    help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
+    metavar="ROOT", help="The tree's root directory (holding pykv-tree.json).", show_default=False)]
 RootsArgument = Annotated[list[Path], typer.Argument(
     metavar="ROOT", show_default=False,
     help="The tree's root directory (holding pykv-tree.json); several: the trees of one device set, "
