@@ -30,6 +30,7 @@ from pykv.io.openat2 import RESOLVE_BENEATH, RESOLVE_NO_SYMLINKS, enter_director
 MAX_NAME_BYTES = 255
 METADATA_LIMIT = 1 << 20  # the marker, namespace.json, gc.json: a few hundred bytes each
 READ_PIECE = 64 << 20  # no single pread asks for more (and none for more than 2 GiB, Linux's cap)
+STREAM_PIECE = 8 << 20  # the buffer ``OpenedFile.pieces`` reuses (a fresh 64 MiB per read ran at 0.3 GB/s)
 _BENEATH = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -167,15 +168,39 @@ class OpenedFile:
         del out[done:]
         return bytes(out)
 
-    def pieces(self, length: int, offset: int) -> Iterator[bytes]:
-        """``length`` bytes from ``offset`` as pieces of at most ``READ_PIECE`` (stops at end of file)."""
-        done = 0
-        while done < length:
-            piece = os.pread(self.fd, min(READ_PIECE, length - done), offset + done)
-            if not piece:
+    def pieces(self, length: int, offset: int) -> Iterator[memoryview]:
+        """``length`` bytes from ``offset`` (stops at end of file) as views of one reused buffer of
+        at most ``STREAM_PIECE`` bytes, each valid until the next is asked for. A hole (``SEEK_DATA``)
+        comes as zeros without a read: a sparse file claiming gigabytes costs no page faults."""
+        buffer = memoryview(bytearray(min(STREAM_PIECE, max(length, 0))))
+        zeros: memoryview | None = None
+        position, end = offset, offset + length
+        while position < end:
+            data = self._next_data(position)
+            if data is None:
+                return  # at or past the end of the file
+            if data > position:  # a hole: zeros, as a read would give them
+                zeros = zeros if zeros is not None else memoryview(bytes(len(buffer)))
+                count = min(len(zeros), min(data, end) - position)
+                position += count
+                yield zeros[:count]
+                continue
+            got = os.preadv(self.fd, [buffer[:min(len(buffer), end - position)]], position)
+            if got == 0:
                 return
-            done += len(piece)
-            yield piece
+            position += got
+            yield buffer[:got]
+
+    def _next_data(self, position: int) -> int | None:
+        """The offset of the first data byte at or after ``position`` (``position`` itself where the
+        file system cannot tell holes), its size where only a hole follows, None at the end."""
+        try:
+            return os.lseek(self.fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                return position  # no hole support (EINVAL): read everything
+        size = os.fstat(self.fd).st_size
+        return size if position < size else None
 
     def close(self) -> None:
         if self.fd < 0:
