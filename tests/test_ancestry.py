@@ -105,3 +105,58 @@ def test_every_engine_command_refuses_a_bind_mount_alias_and_nesting(tmp_path, b
     one_line_refusal(run(*args, "--root", mount / "sub", "--root", a), "--root[0] and --root[1]",
                      f"{mount / 'sub'} lies inside {a}")
     assert sorted(p.name for p in a.iterdir()) == ["sub"] and list((a / "sub").iterdir()) == []
+
+
+def test_a_bind_mount_of_a_subdirectory_still_lies_inside_the_tree(tmp_path, bind):
+    """``M`` a bind mount of ``A/x``: ``M/..`` is ``M``'s mount point's parent, but the walk goes
+    on from ``A`` (another mount shows it), so M is inside tree A to ``init``, a set and every
+    command, and ``fsck --repair A M`` never moves M's files into A's quarantine."""
+    a = KVTree.create(tmp_path / "a")
+    add_block(a, key(0))
+    (a.root / "x").mkdir()
+    mount = bind(a.root / "x", tmp_path / "m")
+    assert lineage(a.root)[0] in lineage(mount)
+    assert holder_of(mount, MARKER_NAME, include_self=False) is not None
+    one_line_refusal(run("init", mount), "lies inside the pykv tree", a.root)
+    assert list(mount.iterdir()) == []
+    inner = KVTree.create(a.root / "x")  # made by hand (library), as a copied marker would be
+    add_block(inner, key(1))
+    refused([a.root, mount], "overlap", f"{mount} lies inside {a.root}")
+    for command in (["fsck", "--repair", "--grace", "0s"], ["gc", "--max-size", "0"], ["inspect"]):
+        one_line_refusal(run(*command, a.root, mount), "ROOT[0] and ROOT[1]", "lies inside")
+    assert (mount / MARKER_NAME).is_file() and inner.contains(NS.id, key(1))
+    assert not (a.root / STATE_DIR).exists()  # nothing moved to a quarantine
+
+
+def test_a_bind_mount_of_a_subdirectory_of_a_plain_directory_walks_its_real_parents(tmp_path, bind):
+    (tmp_path / "plain" / "deep" / "er").mkdir(parents=True)
+    mount = bind(tmp_path / "plain" / "deep" / "er", tmp_path / "m")
+    chain = lineage(mount)
+    assert chain[0] == lineage(tmp_path / "plain" / "deep" / "er")[0]
+    assert lineage(tmp_path / "plain" / "deep")[0] in chain and lineage(tmp_path / "plain")[0] in chain
+    assert lineage(tmp_path)[0] in chain and chain[-1] == lineage("/")[0]
+    assert len(set(chain)) == len(chain)
+
+
+def test_a_parent_no_mount_shows_is_not_guessed(tmp_path):
+    """Where no mount of the file system shows a bind mount's parent (a container given one
+    subdirectory), or the path that would show it lies on another file system, there is no jump."""
+    import os
+
+    from pykv.io.ancestry import _hidden_parent
+    from pykv.io.mounts import Mount
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    device = os.stat(tmp_path).st_dev
+
+    def mount(mount_id, point, root, dev="9:9"):
+        return Mount(point, "ext4", "/dev/x", ("rw",), (), mount_id=mount_id, device=dev, root=root)
+    bound = mount(2, "/elsewhere", "/a/b")
+    showing = mount(1, str(tmp_path), "/")
+    fd = _hidden_parent([showing, bound], 2, device)
+    assert fd is not None and os.path.samestat(os.fstat(fd), os.stat(tmp_path / "a"))
+    os.close(fd)
+    assert _hidden_parent([bound], 2, device) is None  # nothing shows /a
+    assert _hidden_parent([mount(1, str(tmp_path), "/", dev="8:8"), bound], 2, device) is None  # another fs
+    assert _hidden_parent([showing, bound], 2, device + 1) is None  # what the path reaches is another fs
+    assert _hidden_parent([showing, mount(2, "/elsewhere", "/")], 2, device) is None  # a file system's root
+    assert _hidden_parent([showing, bound], 3, device) is None  # an unknown mount

@@ -4,8 +4,12 @@ A path string can hide that two roots are one directory (a bind mount, a symboli
 that one lies inside another (``M/sub`` with ``M`` a bind mount of ``A``). The kernel's ``..``
 of an open directory is its real parent (a mount's ``..`` is its mount point's parent), so
 following ``..`` by fd until it stops changing visits every directory a path really lies in,
-whatever spelling named it. The walk is bounded (``MAX_DEPTH``) and opens with ``O_PATH``:
-it reads nothing and needs no read permission.
+whatever spelling named it. One thing ``..`` hides: a bind mount of a subdirectory (``M`` a bind
+mount of ``A/x``) has its mount point's parent as ``..``, not ``A``. At such a mount's root the
+walk goes on from ``A`` where another mount of the same file system shows it
+(``/proc/self/mountinfo``: the mount's ``root`` field); where none does (a container given only
+that subdirectory), the parents it cannot see are not visited. The walk is bounded
+(``MAX_DEPTH``) and opens with ``O_PATH``: it reads nothing and needs no read permission.
 """
 
 from __future__ import annotations
@@ -15,17 +19,22 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from pykv.io.mounts import MOUNTINFO, Mount, parse_mountinfo
+
 DirId = tuple[int, int]
 """A directory's ``(st_dev, st_ino)``: the same for every path that reaches it."""
 
 MAX_DEPTH = 2048  # PATH_MAX (4096) allows at most this many components
+MOUNTINFO_MAX = 8 << 20  # bytes of /proc/self/mountinfo read at most (tens of thousands of mounts)
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
     """``(fd, id)`` of ``directory`` (a link to one is followed) and of each directory above it up to
-    ``/``, nearest first; each fd is open until the next step. ``OSError`` if one cannot be opened."""
+    ``/``, nearest first, through the real parent of a bind-mounted subdirectory where a mount shows
+    it; each fd is open until the next step. ``OSError`` if one cannot be opened."""
     fd = os.open(directory, _DIR_FLAGS)
+    mounts: list[Mount] | None = None
     try:
         previous: DirId | None = None
         for _ in range(MAX_DEPTH):
@@ -38,12 +47,65 @@ def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
             fd, below = -1, fd
             try:
                 fd = os.open("..", _DIR_FLAGS, dir_fd=below)
+                crossed = _mount_id(below)
+                if crossed is not None and crossed != _mount_id(fd):  # ``below`` is a mount's root
+                    mounts = mounts if mounts is not None else _mounts()
+                    hidden = _hidden_parent(mounts, crossed, st.st_dev)
+                    if hidden is not None:
+                        os.close(fd)
+                        fd = -1
+                        fd = hidden
             finally:
                 os.close(below)
         raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} directories above it", os.fspath(directory))
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _mount_id(fd: int) -> int | None:
+    """The id of the mount ``fd`` lies on (``/proc/self/fdinfo``); None where that cannot be read."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+            for line in info.read(4096).splitlines():
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _mounts() -> list[Mount]:
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="replace") as info:
+            return parse_mountinfo(info.read(MOUNTINFO_MAX))
+    except OSError:
+        return []
+
+
+def _hidden_parent(mounts: list[Mount], mount_id: int, device: int) -> int | None:
+    """An ``O_PATH`` fd of the parent, in its own file system (``device``: its ``st_dev``), of
+    mount ``mount_id``'s root where that root is a subdirectory (a bind mount) and another mount
+    of the file system shows the parent; None otherwise (the root of its file system, or a parent
+    no mount shows)."""
+    mount = next((m for m in mounts if m.mount_id == mount_id), None)
+    if mount is None or mount.root in ("/", "") or not mount.root.startswith("/"):
+        return None
+    parent = os.path.dirname(mount.root.rstrip("/"))
+    for other in mounts:
+        if other.device != mount.device or other.mount_id == mount_id:
+            continue
+        base = other.root.rstrip("/")
+        if parent != (base or "/") and not parent.startswith(base + "/"):
+            continue
+        try:
+            fd = os.open(other.mount_point.rstrip("/") + parent[len(base):] or "/", _DIR_FLAGS)
+        except OSError:
+            continue  # removed, not a directory: another mount may still show it
+        if os.fstat(fd).st_dev == device:
+            return fd
+        os.close(fd)  # another file system mounted over that path
+    return None
 
 
 def lineage(directory: Path | str) -> tuple[DirId, ...]:

@@ -24,6 +24,9 @@ class Mount:
     source: str
     options: tuple[str, ...]  # per-mount options (rw, relatime, ...)
     super_options: tuple[str, ...]  # the file system's own (NFS: vers, actimeo, lookupcache, ...)
+    mount_id: int = -1
+    device: str = ""  # "major:minor" of the file system
+    root: str = "/"  # the directory of that file system mounted here ("/dir" for a bind mount of a dir)
 
     def option(self, name: str) -> str | None:
         """The value of ``name`` (``""`` for a flag such as ``ro``) in either option list; None if absent."""
@@ -56,7 +59,9 @@ def parse_mountinfo(text: str) -> list[Mount]:
             continue
         mounts.append(Mount(mount_point=_unescape(fields[4]), fstype=fields[dash + 1], source=_unescape(fields[dash + 2]),
                             options=tuple(fields[5].split(",")),
-                            super_options=tuple(fields[dash + 3].split(",")) if len(fields) > dash + 3 else ()))
+                            super_options=tuple(fields[dash + 3].split(",")) if len(fields) > dash + 3 else (),
+                            mount_id=int(fields[0]) if fields[0].isdecimal() else -1, device=fields[2],
+                            root=_unescape(fields[3])))
     return mounts
 
 
