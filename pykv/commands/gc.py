@@ -60,3 +60,6 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     if data["junk_files"]:
         out.print(f"{plural(data['junk_files'], 'file')} ({size(data['junk_bytes'])}) at block names are not blocks "
                   "pykv wrote: left in place, see 'pykv fsck'")
+    if data.get("undeleted_files"):
+        out.print(f"{plural(data['undeleted_files'], 'block')} ({size(data['undeleted_bytes'])}) could not be deleted "
+                  "(a read-only tree, or a link above them): see the warnings")

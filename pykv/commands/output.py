@@ -14,6 +14,8 @@ An ``OSError`` from the tree itself (permissions, I/O) is one such line with sta
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -71,11 +73,21 @@ def _visible_data(data: Any) -> Any:
     return data
 
 
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(value) for value in data]
+    return data
+
+
 def emit(data: dict[str, Any], *, as_json: bool, render: Callable[[Console, dict[str, Any]], None]) -> None:
     """Print ``data`` as one JSON document (control characters escaped by JSON itself), or
     through ``render`` as tables, with every string made ``visible`` first."""
-    if as_json:
-        typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    if as_json:  # strict JSON: a NaN or an infinity read from a tree's metadata is null
+        typer.echo(json.dumps(_finite(data), indent=2, sort_keys=False, default=str, allow_nan=False))
     else:
         render(console(), _visible_data(data))
 
@@ -99,11 +111,29 @@ def error_line(message: str) -> str:
     return f"{PROGRAM}: error: {visible(' '.join(str(message).split()))}"
 
 
+class VisibleWarnings(logging.Handler):
+    """Python's last-resort log handler for the commands: a warning of pykv's maintenance code
+    (gc, the catalog) as one ``pykv: warning:`` line, control characters of the paths it names
+    escaped; used only where no handler was set up (an engine routes pykv's logs through vLLM's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = " ".join(record.getMessage().split())
+        except Exception:  # noqa: BLE001 - a message that does not format is still a line
+            text = str(record.msg)
+        sys.stderr.write(f"{PROGRAM}: {record.levelname.lower()}: {visible(text)}\n")
+
+
 def run_guarded(main: Callable[..., Any], standalone_mode: bool, **kwargs: Any) -> Any:
     """Run a click ``main`` non-standalone, turning every user error into one line.
 
     Used by the app's group class, so each command, present or future, gets it.
     """
+    if not isinstance(logging.lastResort, VisibleWarnings):
+        logging.lastResort = VisibleWarnings()
     try:
         rv = main(standalone_mode=False, **kwargs)
     except _CLI_ERRORS as exc:

@@ -138,6 +138,8 @@ class GcResult:
     young_bytes: int = 0
     junk_files: int = 0  # at a block's name but not a block pykv wrote: left for fsck
     junk_bytes: int = 0
+    undeleted_files: int = 0  # blocks the file system would not let go (read-only, a planted link above)
+    undeleted_bytes: int = 0
     freed_by_namespace: Counter = field(default_factory=Counter)
     deleted: list[Entry] = field(default_factory=list, repr=False)
     devices: list[dict[str, Any]] = field(default_factory=list)  # per device, over a set of two or more
@@ -210,8 +212,8 @@ def collect(plan: GcPlan, *, dry_run: bool = False, root: str | os.PathLike[str]
                 continue
             except OSError as exc:  # a planted link above it, a read-only tree: not ours to force
                 log.warning("gc: cannot delete %s: %s", entry.path, exc.strerror)
-                result.junk_files += 1
-                result.junk_bytes += size
+                result.undeleted_files += 1
+                result.undeleted_bytes += size
                 continue
         result.freed_bytes += size
         result.freed_files += 1
@@ -346,5 +348,5 @@ _SUMMARY_MAX = float(MAX_SIZE)
 _SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("max_size", "total_bytes", "total_files", "freed_bytes", "freed_files",
                                  "vanished_bytes", "vanished_files", "young_files", "young_bytes", "junk_files",
-                                 "junk_bytes", "remaining_bytes")},
+                                 "junk_bytes", "undeleted_files", "undeleted_bytes", "remaining_bytes")},
     "finished_at": (int, float), "seconds": (int, float), "dry_run": (bool,), "target_reached": (bool,)}
