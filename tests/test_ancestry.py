@@ -134,8 +134,32 @@ def test_a_bind_mount_of_a_subdirectory_of_a_plain_directory_walks_its_real_pare
     chain = lineage(mount)
     assert chain[0] == lineage(tmp_path / "plain" / "deep" / "er")[0]
     assert lineage(tmp_path / "plain" / "deep")[0] in chain and lineage(tmp_path / "plain")[0] in chain
-    assert lineage(tmp_path)[0] in chain and chain[-1] == lineage("/")[0]
+    assert lineage(tmp_path)[0] in chain and lineage("/")[0] in chain
+    assert chain[:len(lineage(tmp_path)) + 1] == (chain[0], *lineage(tmp_path))  # the ``..`` chain first
     assert len(set(chain)) == len(chain)
+
+
+def test_a_directory_mounted_inside_a_tree_still_lies_inside_it(tmp_path, bind):
+    """The ``..`` chain is walked as well as the real parents': an outside directory bind-mounted
+    at ``T/sub/inner`` lies inside tree T (``init`` refuses it, a set of both is refused)."""
+    tree = KVTree.create(tmp_path / "t")
+    (tree.root / "sub" / "inner").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    inner = bind(tmp_path / "outside", tree.root / "sub" / "inner")
+    assert lineage(tree.root)[0] in lineage(inner)
+    one_line_refusal(run("init", inner), "lies inside the pykv tree", tree.root)
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_sibling_bind_mounts_of_one_file_system_are_not_nested(tmp_path, bind):
+    (tmp_path / "fs" / "a").mkdir(parents=True)
+    (tmp_path / "fs" / "b").mkdir()
+    a = bind(tmp_path / "fs" / "a", tmp_path / "ma")
+    b = bind(tmp_path / "fs" / "b", tmp_path / "mb")
+    for root in (a, b):
+        assert run("init", root).exit_code == 0
+    assert lineage(a)[0] not in lineage(b) and lineage(b)[0] not in lineage(a)
+    assert run("inspect", a, b).exit_code == 0
 
 
 def test_a_parent_no_mount_shows_is_not_guessed(tmp_path):
@@ -160,3 +184,5 @@ def test_a_parent_no_mount_shows_is_not_guessed(tmp_path):
     assert _hidden_parent([showing, bound], 2, device + 1) is None  # what the path reaches is another fs
     assert _hidden_parent([showing, mount(2, "/elsewhere", "/")], 2, device) is None  # a file system's root
     assert _hidden_parent([showing, bound], 3, device) is None  # an unknown mount
+    removed = mount(2, "/elsewhere", "/a/b//deleted")  # the kernel's mark of a removed source
+    assert _hidden_parent([showing, removed], 2, device) is None

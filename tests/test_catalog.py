@@ -150,3 +150,27 @@ def test_a_column_pykv_never_made_rebuilds_the_catalog(tmp_path):
     with Catalog(tree) as catalog:
         assert "extra" not in catalog.db["entries"].columns_dict
         assert len(catalog.scan().of_kind(Kind.BLOCK)) == 1
+
+
+def test_a_catalog_sqlite_utils_3_made_is_kept(tmp_path):
+    """sqlite-utils 3 quotes names ``[dir]``, 4 ``"dir"`` (both allowed): either's catalog is kept,
+    so two installs sharing a tree do not rebuild it on every run."""
+    import sqlite3
+    tree = make_tree(tmp_path)
+    for i in range(4):
+        add_block(tree, bytes([i * 50]) + key(i))
+    age_dirs(tree)
+    tree.state_dir.mkdir()
+    conn = sqlite3.connect(tree.state_dir / CATALOG_NAME)
+    conn.execute("CREATE TABLE [leaf_dirs] (\n   [dir] TEXT PRIMARY KEY,\n   [namespace] TEXT,\n   [mtime_ns] INTEGER\n)")
+    conn.execute("CREATE TABLE [entries] (\n   [dir] TEXT,\n   [name] TEXT,\n   [kind] TEXT,\n   [size] INTEGER,\n"
+                 "   [atime_ns] INTEGER,\n   [mtime_ns] INTEGER,\n   PRIMARY KEY ([dir], [name])\n)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with Catalog(tree) as catalog:
+        assert catalog.scan().dirs_listed == 4
+    with Catalog(tree) as catalog:
+        assert catalog.scan().dirs_cached == 4  # not rebuilt
+    assert "[entries]" in sqlite3.connect(tree.state_dir / CATALOG_NAME).execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'entries'").fetchone()[0]

@@ -67,3 +67,22 @@ def test_inspect_json_is_strict_json_whatever_the_metadata_holds(tmp_path):
     json.loads(result.stdout, parse_constant=refuse)
     assert "NaN" not in result.stdout and "Infinity" not in result.stdout
     assert os.path.exists(tree.root / NS.id / "namespace.json")  # read, never rewritten
+
+
+def test_another_librarys_warning_is_not_called_pykvs(tmp_path, monkeypatch, capsys):
+    """Only records of pykv's loggers get the ``pykv:`` prefix; vLLM's or torch's go out as before."""
+    from pykv.commands import output
+    seen = []
+
+    class Previous(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    monkeypatch.setattr(logging, "lastResort", output.VisibleWarnings(Previous(logging.WARNING)))
+    handlers, logging.root.handlers = logging.root.handlers, []
+    try:
+        logging.getLogger("torch.cuda").error("CUDA error: out of memory")
+        logging.getLogger("pykv.maintenance.gc").warning("gc: cannot delete %s", "a\x1bb")
+    finally:
+        logging.root.handlers = handlers
+    assert seen == ["CUDA error: out of memory"]
+    assert capsys.readouterr().err == "pykv: warning: gc: cannot delete a\\x1bb\n"

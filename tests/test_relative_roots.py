@@ -57,7 +57,7 @@ def test_init_of_dot_makes_the_current_directory_a_tree_and_leaves_no_temp(tmp_p
 
 @pytest.mark.parametrize("args", [["gc", "", "--max-size", "0", "--min-age", "0s"],
                                   ["gc", "--max-size", "0", "--min-age", "0s", "--", ""],
-                                  ["gc", "  ", "--max-size", "0"], ["fsck", ""], ["fsck", "--repair", ""],
+                                  ["fsck", ""], ["fsck", "--repair", ""],
                                   ["inspect", ""], ["init", ""], ["doctor", ""]])
 def test_an_empty_root_is_refused_and_nothing_changes(in_tree, args):
     before = blocks(in_tree)
@@ -71,3 +71,10 @@ def test_an_option_value_that_is_empty_is_not_taken_for_a_root(in_tree):
     """Only positional arguments are ROOTs: an option's empty value gets that option's own error."""
     result = run("gc", ".", "--max-size", "")
     assert result.exit_code == 2 and "ROOT" not in result.stderr and "max-size" in result.stderr, result.output
+
+
+def test_a_directory_named_by_spaces_is_a_root_like_any_other(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("init", " ")
+    assert result.exit_code == 0 and (tmp_path / " " / MARKER_NAME).is_file(), result.output
+    assert run("fsck", " ").exit_code == 0

@@ -115,7 +115,7 @@ def refuse_empty_roots(args: list[str], options: dict[str, Any]) -> None:
             continue
         else:
             positional = [arg]
-        if any(not value.strip() for value in positional):
+        if any(value == "" for value in positional):  # " " may name a directory; "" never does
             raise InputError("ROOT: an empty path; give the tree's directory")
         if arg == "--":
             return

@@ -112,14 +112,20 @@ def error_line(message: str) -> str:
 
 
 class VisibleWarnings(logging.Handler):
-    """Python's last-resort log handler for the commands: a warning of pykv's maintenance code
-    (gc, the catalog) as one ``pykv: warning:`` line, control characters of the paths it names
-    escaped; used only where no handler was set up (an engine routes pykv's logs through vLLM's)."""
+    """Python's last-resort log handler for the commands: a warning of pykv's own code (gc, the
+    catalog) as one ``pykv: warning:`` line, control characters of the paths it names escaped;
+    another library's record goes to the handler it replaced, as before. Used only where no
+    handler was set up (an engine routes pykv's logs through vLLM's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, previous: logging.Handler | None) -> None:
         super().__init__(logging.WARNING)
+        self.previous = previous
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name != PROGRAM and not record.name.startswith(PROGRAM + "."):
+            if self.previous is not None:
+                self.previous.handle(record)
+            return
         try:
             text = " ".join(record.getMessage().split())
         except Exception:  # noqa: BLE001 - a message that does not format is still a line
@@ -133,7 +139,7 @@ def run_guarded(main: Callable[..., Any], standalone_mode: bool, **kwargs: Any) 
     Used by the app's group class, so each command, present or future, gets it.
     """
     if not isinstance(logging.lastResort, VisibleWarnings):
-        logging.lastResort = VisibleWarnings()
+        logging.lastResort = VisibleWarnings(logging.lastResort)
     try:
         rv = main(standalone_mode=False, **kwargs)
     except _CLI_ERRORS as exc:

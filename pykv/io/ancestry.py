@@ -5,10 +5,10 @@ that one lies inside another (``M/sub`` with ``M`` a bind mount of ``A``). The k
 of an open directory is its real parent (a mount's ``..`` is its mount point's parent), so
 following ``..`` by fd until it stops changing visits every directory a path really lies in,
 whatever spelling named it. One thing ``..`` hides: a bind mount of a subdirectory (``M`` a bind
-mount of ``A/x``) has its mount point's parent as ``..``, not ``A``. At such a mount's root the
-walk goes on from ``A`` where another mount of the same file system shows it
-(``/proc/self/mountinfo``: the mount's ``root`` field); where none does (a container given only
-that subdirectory), the parents it cannot see are not visited. The walk is bounded
+mount of ``A/x``) has its mount point's parent as ``..``, not ``A``. Past such a mount's root the
+walk visits both: the ``..`` chain, then ``A``'s where another mount of the same file system
+shows it (``/proc/self/mountinfo``: the mount's ``root`` field); where none does (a container
+given only that subdirectory), the parents it cannot see are not visited. The walk is bounded
 (``MAX_DEPTH``) and opens with ``O_PATH``: it reads nothing and needs no read permission.
 """
 
@@ -31,35 +31,40 @@ _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 
 def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
     """``(fd, id)`` of ``directory`` (a link to one is followed) and of each directory above it up to
-    ``/``, nearest first, through the real parent of a bind-mounted subdirectory where a mount shows
-    it; each fd is open until the next step. ``OSError`` if one cannot be opened."""
-    fd = os.open(directory, _DIR_FLAGS)
+    ``/``, nearest first; then, for each bind-mounted subdirectory met on the way whose real parent
+    a mount shows, that parent and the directories above it. No directory comes twice; each fd is
+    open until the next step. ``OSError`` if one cannot be opened."""
     mounts: list[Mount] | None = None
+    seen: set[DirId] = set()
+    starts = [os.open(directory, _DIR_FLAGS)]  # the chains still to walk
+    steps = 0
     try:
-        previous: DirId | None = None
-        for _ in range(MAX_DEPTH):
-            st = os.fstat(fd)
-            current = (st.st_dev, st.st_ino)
-            if current == previous:  # ``/..`` is ``/``
-                return
-            yield fd, current
-            previous = current
-            fd, below = -1, fd
+        while starts:
+            fd = starts.pop(0)
             try:
-                fd = os.open("..", _DIR_FLAGS, dir_fd=below)
-                crossed = _mount_id(below)
-                if crossed is not None and crossed != _mount_id(fd):  # ``below`` is a mount's root
-                    mounts = mounts if mounts is not None else _mounts()
-                    hidden = _hidden_parent(mounts, crossed, st.st_dev)
-                    if hidden is not None:
-                        os.close(fd)
-                        fd = -1
-                        fd = hidden
+                while True:
+                    st = os.fstat(fd)
+                    current = (st.st_dev, st.st_ino)
+                    if current in seen:  # ``/..`` is ``/``; or this chain joined one already walked
+                        break
+                    steps += 1
+                    if steps > MAX_DEPTH:
+                        raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} directories above it", os.fspath(directory))
+                    seen.add(current)
+                    yield fd, current
+                    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                    crossed = _mount_id(fd)
+                    if crossed is not None and crossed != _mount_id(parent):  # ``fd`` is a mount's root
+                        mounts = mounts if mounts is not None else _mounts()
+                        hidden = _hidden_parent(mounts, crossed, st.st_dev)
+                        if hidden is not None:
+                            starts.append(hidden)
+                    os.close(fd)
+                    fd = parent
             finally:
-                os.close(below)
-        raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} directories above it", os.fspath(directory))
+                os.close(fd)
     finally:
-        if fd >= 0:
+        for fd in starts:
             os.close(fd)
 
 
@@ -89,8 +94,8 @@ def _hidden_parent(mounts: list[Mount], mount_id: int, device: int) -> int | Non
     of the file system shows the parent; None otherwise (the root of its file system, or a parent
     no mount shows)."""
     mount = next((m for m in mounts if m.mount_id == mount_id), None)
-    if mount is None or mount.root in ("/", "") or not mount.root.startswith("/"):
-        return None
+    if mount is None or mount.root in ("/", "") or not mount.root.startswith("/") or mount.root.endswith("//deleted"):
+        return None  # a file system's root; or a directory removed since it was mounted (no parent to show)
     parent = os.path.dirname(mount.root.rstrip("/"))
     for other in mounts:
         if other.device != mount.device or other.mount_id == mount_id:

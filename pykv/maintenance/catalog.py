@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sqlite3
 import stat
 import time
@@ -184,8 +185,11 @@ def _create_tables(db: sqlite_utils.Database) -> None:
 
 
 def _schema(conn: sqlite3.Connection) -> list[tuple]:
-    return sorted(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall(),
-                  key=lambda row: tuple(str(value) for value in row))
+    """The catalog's objects, their SQL without quoting or spacing (sqlite-utils 3 writes ``[dir]``,
+    4 ``"dir"``: a catalog either made is kept)."""
+    rows = conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    return sorted(((kind, name, table, None if sql is None else "".join(re.sub(r'[\[\]"]', "", str(sql)).split()))
+                   for kind, name, table, sql in rows), key=lambda row: tuple(str(value) for value in row))
 
 
 _EXPECTED: list[tuple] = []
