@@ -52,15 +52,15 @@ def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
                         raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} directories above it", os.fspath(directory))
                     seen.add(current)
                     yield fd, current
-                    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
                     crossed = _mount_id(fd)
-                    if crossed is not None and crossed != _mount_id(parent):  # ``fd`` is a mount's root
+                    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                    os.close(fd)
+                    fd = parent  # closed by ``finally`` from here on
+                    if crossed is not None and crossed != _mount_id(fd):  # the one left was a mount's root
                         mounts = mounts if mounts is not None else _mounts()
                         hidden = _hidden_parent(mounts, crossed, st.st_dev)
                         if hidden is not None:
                             starts.append(hidden)
-                    os.close(fd)
-                    fd = parent
             finally:
                 os.close(fd)
     finally:
