@@ -43,23 +43,21 @@ def _codec_chunk(value: Any, key: str) -> int | None:
     return chunk
 
 
-def _step_blocks(value: Any, key: str) -> int | None:
-    if _is_auto(value):
-        return None
-    try:
-        return _positive_int(MAX_STEP_BLOCKS)(value, key)
-    except InputError:
-        raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to {MAX_STEP_BLOCKS}, "
-                         f"got {str(value)[:40]!r}") from None
+def _auto_or_int(maximum: int) -> Callable[[Any, str], int | None]:
+    """A parser of ``auto`` (None) or an integer in 1..``maximum``."""
+    def parse(value: Any, key: str) -> int | None:
+        if _is_auto(value):
+            return None
+        try:
+            return _positive_int(maximum)(value, key)
+        except InputError:
+            raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to {maximum}, "
+                             f"got {str(value)[:40]!r}") from None
+    return parse
 
 
-def _threads_or_auto(value: Any, key: str) -> int | None:
-    if _is_auto(value):
-        return None
-    try:
-        return _positive_int(64)(value, key)
-    except InputError:
-        raise InputError(f"{PREFIX}.{key}: expected auto or an integer from 1 to 64, got {str(value)[:40]!r}") from None
+_step_blocks = _auto_or_int(MAX_STEP_BLOCKS)
+_threads_or_auto = _auto_or_int(64)
 
 
 def _roots(value: Any, key: str) -> tuple[str, ...]:
