@@ -19,13 +19,12 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from pykv.io.mounts import MOUNTINFO, Mount, parse_mountinfo
+from pykv.io.mounts import Mount, read_mounts
 
 DirId = tuple[int, int]
 """A directory's ``(st_dev, st_ino)``: the same for every path that reaches it."""
 
 MAX_DEPTH = 2048  # PATH_MAX (4096) allows at most this many components
-MOUNTINFO_MAX = 8 << 20  # bytes of /proc/self/mountinfo read at most (tens of thousands of mounts)
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -57,7 +56,7 @@ def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
                     os.close(fd)
                     fd = parent  # closed by ``finally`` from here on
                     if crossed is not None and crossed != _mount_id(fd):  # the one left was a mount's root
-                        mounts = mounts if mounts is not None else _mounts()
+                        mounts = mounts if mounts is not None else (read_mounts() or [])
                         hidden = _hidden_parent(mounts, crossed, st.st_dev)
                         if hidden is not None:
                             starts.append(hidden)
@@ -78,14 +77,6 @@ def _mount_id(fd: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def _mounts() -> list[Mount]:
-    try:
-        with open(MOUNTINFO, encoding="utf-8", errors="replace") as info:
-            return parse_mountinfo(info.read(MOUNTINFO_MAX))
-    except OSError:
-        return []
 
 
 def _hidden_parent(mounts: list[Mount], mount_id: int, device: int) -> int | None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 MOUNTINFO = "/proc/self/mountinfo"
+MOUNTINFO_MAX = 8 << 20  # bytes read at most (tens of thousands of mounts)
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
@@ -65,17 +65,25 @@ def parse_mountinfo(text: str) -> list[Mount]:
     return mounts
 
 
+def read_mounts(mountinfo: str = MOUNTINFO) -> list[Mount] | None:
+    """The mounts ``mountinfo`` lists (at most ``MOUNTINFO_MAX`` bytes read); None where it cannot be read."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as info:
+            return parse_mountinfo(info.read(MOUNTINFO_MAX))
+    except OSError:
+        return None
+
+
 def mount_of(directory: str | os.PathLike[str], mountinfo: str = MOUNTINFO, *, resolve: bool = True) -> Mount | None:
     """The mount holding ``directory`` (the last-mounted one at the longest matching mount point);
     None where ``mountinfo`` cannot be read. ``resolve=False``: the absolute path as written, without
     asking the file system (which a stalled mount would never answer)."""
-    try:
-        text = Path(mountinfo).read_text(errors="replace")
-    except OSError:
+    mounts = read_mounts(mountinfo)
+    if mounts is None:
         return None
     real = os.path.realpath(directory) if resolve else os.path.abspath(directory)
     best: Mount | None = None
-    for mount in parse_mountinfo(text):
+    for mount in mounts:
         point = mount.mount_point
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) >= len(best.mount_point)):
