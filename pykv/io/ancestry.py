@@ -41,6 +41,7 @@ def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
         while starts:
             fd = starts.pop(0)
             try:
+                here = _mount_id(fd)
                 while True:
                     st = os.fstat(fd)
                     current = (st.st_dev, st.st_ino)
@@ -51,11 +52,11 @@ def walk_up(directory: Path | str) -> Iterator[tuple[int, DirId]]:
                         raise OSError(errno.ELOOP, f"more than {MAX_DEPTH} directories above it", os.fspath(directory))
                     seen.add(current)
                     yield fd, current
-                    crossed = _mount_id(fd)
                     parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
                     os.close(fd)
                     fd = parent  # closed by ``finally`` from here on
-                    if crossed is not None and crossed != _mount_id(fd):  # the one left was a mount's root
+                    crossed, here = here, _mount_id(fd)
+                    if crossed is not None and crossed != here:  # the one left was a mount's root
                         mounts = mounts if mounts is not None else (read_mounts() or [])
                         hidden = _hidden_parent(mounts, crossed, st.st_dev)
                         if hidden is not None:
